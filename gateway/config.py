@@ -1,0 +1,26 @@
+"""Gateway configuration (flags or DDTREE_GATEWAY_* variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service_kit.config import ServerConfig, option
+
+
+@dataclass(frozen=True)
+class GatewayConfig(ServerConfig):
+    port: int = option(50051, "public gRPC port")
+    model: str = option("", "model dir holding tiktoken.model, tokenizer_config.json, chat_template.jinja")
+    verifier: str = option("localhost:50052", "verifier address host:port")
+    max_concurrent_requests: int = option(64, "admission limit; excess requests get RESOURCE_EXHAUSTED")
+    default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
+    default_timeout_s: float = option(600.0, "deadline for requests that send none")
+    max_stop_strings: int = option(16, "most stop strings per request")
+    internal_max_message_mb: int = option(256, "message size limit towards the verifier, MiB")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("model: a tokenizer directory is required (--model)")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests: must be >= 1")

@@ -1,0 +1,74 @@
+"""`ddtree generate "text"`: streams a generation from the gateway to stdout, stats to stderr."""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from ddtree.v1 import generation_pb2 as pb
+from ddtree.v1 import generation_pb2_grpc as pb_grpc
+
+MODES = {"default": pb.SPEC_MODE_UNSPECIFIED, "ar": pb.SPEC_MODE_AR,
+         "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream a generation from the gateway")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="localhost:50051", help="gateway host:port")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user turn of a chat")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--mode", choices=tuple(MODES), default="default")
+    p.add_argument("--tree-budget", type=int, default=None)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.set_defaults(func=generate)
+
+
+def build_request(args) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(return_logprobs=False)
+    if args.chat:
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(req.sampling, name, getattr(args, name))
+    if args.max_new_tokens is not None:
+        req.stopping.max_new_tokens = args.max_new_tokens
+    req.stopping.stop.extend(args.stop)
+    req.speculation.mode = MODES[args.mode]
+    if args.tree_budget is not None:
+        req.speculation.tree_budget = args.tree_budget
+    return req
+
+
+def format_final(final: pb.Final) -> str:
+    s = final.spec_stats
+    return (f"[{pb.FinishReason.Name(final.finish_reason)}] prompt={final.usage.prompt_tokens} "
+            f"completion={final.usage.completion_tokens} mode={pb.SpecMode.Name(s.mode)} "
+            f"steps={s.verify_steps} tau={s.mean_acceptance_length:.2f} budget={s.tree_budget} "
+            f"accepted={s.accepted_draft_tokens}/{s.draft_tokens} no_draft_steps={s.draft_unavailable_steps}"
+            + (f" matched_stop={final.matched_stop!r}" if final.matched_stop else ""))
+
+
+def generate(args) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            for msg in stub.Generate(build_request(args), timeout=args.timeout_s):
+                if msg.HasField("chunk"):
+                    sys.stdout.write(msg.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    sys.stdout.write("\n")
+                    print(format_final(msg.final), file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,44 @@
+"""Verifier configuration (flags or DDTREE_VERIFIER_* variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service_kit.config import ServerConfig, option
+
+MODES = ("ar", "chain", "ddtree")
+
+
+@dataclass(frozen=True)
+class VerifierConfig(ServerConfig):
+    port: int = option(50052, "gRPC port (rank 0)")
+    model: str = option("", "target checkpoint dir (K2.6 layout)")
+    device: str = option("cpu", "cpu or cuda")
+    dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
+    world_size: int = option(1, "verifier ranks (GPUs); routed experts and attention heads are split over them")
+    gpus: tuple[int, ...] = option((), "GPU index per rank (default: the first world_size visible)")
+    drafter: tuple[str, ...] = option((), "drafter replica host:port (repeatable) or one dns:///name:port")
+    default_mode: str = option("ddtree", "mode when a request leaves it unspecified", choices=MODES)
+    default_tree_budget: int = option(16, "tree nodes per step when a request leaves it unset")
+    max_tree_budget: int = option(64, "largest tree budget a request may ask for")
+    max_new_tokens_limit: int = option(4096, "largest max_new_tokens a request may ask for")
+    max_context: int = option(8192, "longest prompt + generation per session, tokens")
+    kv_cache_mb: int = option(256, "latent KV cache budget in MiB (pages are allocated once from it)")
+    page_size: int = option(64, "KV rows per page")
+    prefill_chunk: int = option(512, "prompt tokens prefilled per step per session")
+    max_batch: int = option(64, "sessions decoded together in one step")
+    draft_deadline_ms: float = option(2000.0, "per-step wait for drafts; late sessions verify root-only")
+    feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("model: a checkpoint directory is required (--model)")
+        if self.world_size < 1:
+            raise ValueError("world_size: must be >= 1")
+        if self.gpus and len(self.gpus) != self.world_size:
+            raise ValueError(f"gpus: {len(self.gpus)} given for world_size {self.world_size}")
+        if not 1 <= self.default_tree_budget <= self.max_tree_budget:
+            raise ValueError("default_tree_budget: must be in [1, max_tree_budget]")
+        if self.page_size < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
+            raise ValueError("page_size, prefill_chunk, max_batch: must be >= 1")
