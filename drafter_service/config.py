@@ -16,7 +16,7 @@ class DrafterConfig(ServerConfig):
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
     max_tree_budget: int = option(256, "largest tree_budget accepted")
     window: int = option(4096, "context rows attended per session (sliding window; 0 = unlimited)")
-    cache_mb: int = option(4096, "drafter KV cache budget in MiB; least recently used sessions are evicted")
+    cache_mb: int = option(256, "drafter KV cache budget in MiB; least recently used sessions are evicted")
 
     def __post_init__(self):
         super().__post_init__()

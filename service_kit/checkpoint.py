@@ -69,9 +69,36 @@ class CheckpointIndex:
         except Exception as e:
             raise CheckpointError(f"tensor {name!r} in {self.dir / file} is unreadable: {e}") from e
 
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def open_all(self) -> None:
+        """Open every shard now, so a missing or truncated file fails before any tensor is read."""
+        for file in self.files():
+            self._open(file)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of one tensor from the shard header (no data read)."""
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """safetensors dtype string of one tensor ("BF16", "I32", ...), from the header."""
+        return self._slice(name).get_dtype()
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} not found in {self.dir}")
+        file = self.weight_map[name]
+        try:
+            return self._open(file).get_slice(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"tensor {name!r} listed in the index is not in {self.dir / file}: {e}") from e
+
     def nbytes(self, name: str) -> int:
         """Size of one tensor on disk, from the shard header (no data read)."""
-        sl = self._open(self.weight_map[name]).get_slice(name)
+        sl = self._slice(name)
         numel = 1
         for d in sl.get_shape():
             numel *= d

@@ -11,9 +11,11 @@ import grpc
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.message = message
+        if code is not None:
+            self.code = code
 
 
 class InvalidArgument(ServiceError):

@@ -60,6 +60,16 @@ class Lifecycle:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._health = None
+        self._names: list[str] = []
+
+    async def set_serving(self, serving: bool) -> None:
+        """Readiness of every mounted service (e.g. the gateway follows its verifier); ignored while draining."""
+        if self._health is None or self.draining:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self._names:
+            await self._health.set(name, status)
 
     def enter(self) -> None:
         self.inflight += 1
@@ -168,6 +178,7 @@ async def run_server(config: ServerConfig, services: list[Service], *, lifecycle
     for s in services:
         s.add_to_server(s.servicer, server)
     names = [s.full_name for s in services]
+    lifecycle._health, lifecycle._names = health_servicer, names
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
@@ -180,7 +191,7 @@ async def run_server(config: ServerConfig, services: list[Service], *, lifecycle
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    warm = asyncio.create_task(_warm(warmup, health_servicer, names))
+    warm = asyncio.create_task(_warm(warmup, lifecycle))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({warm, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if warm.done() and warm.exception() is not None:
@@ -194,12 +205,11 @@ async def run_server(config: ServerConfig, services: list[Service], *, lifecycle
         await on_stop()
 
 
-async def _warm(warmup, health_servicer, names) -> None:
+async def _warm(warmup, lifecycle: Lifecycle) -> None:
     t0 = time.monotonic()
     if warmup is not None:
         await warmup()
-    for name in names:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await lifecycle.set_serving(True)
     log.info("serving", warmup_s=round(time.monotonic() - t0, 3))
 
 

@@ -16,7 +16,7 @@ def make_tiny(out: Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = write_tiny_tokenizer(out, seed=seed)
     text = write_tiny_target(out, vocab_size=tok["vocab_size"], bos_token_id=tok["bos_token_id"],
-                             eos_token_ids=[tok["eos_token_id"], tok["im_end_id"]], seed=seed)
+                             eos_token_ids=[tok["eos_token_id"], tok["im_end_id"]], seed=seed)["text_config"]
     write_tiny_drafter(out / "drafter", target_hidden_size=text["hidden_size"],
                        target_num_layers=text["num_hidden_layers"], vocab_size=tok["vocab_size"],
                        mask_token_id=tok["mask_token_id"], seed=seed)

@@ -1,0 +1,107 @@
+"""`ddtree.internal.v1.Drafter` servicer: proto in, one engine call, proto out.
+
+Propose runs in a worker thread (the engine serializes batches with its own lock) so health checks
+and GetInfo stay responsive during a draft.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from ddtree.internal.v1 import drafter_pb2 as dpb
+from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
+from drafter_service.config import DrafterConfig
+from drafter_service.engine import (DraftMode, DrafterEngine, EngineOptions, ItemError, Proposal, ProposeItem,
+                                    UnknownSessionError)
+from service_kit.errors import InvalidArgument, ServiceError, Unavailable
+from service_kit.logs import configure_logging, get_logger
+from service_kit.server import Service, run_server
+from service_kit.tensors import from_proto
+
+log = get_logger("drafter")
+SERVICE_NAME = "ddtree.internal.v1.Drafter"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_MODES = {dpb.DRAFT_MODE_UNSPECIFIED: DraftMode.DDTREE, dpb.DRAFT_MODE_CHAIN: DraftMode.CHAIN,
+          dpb.DRAFT_MODE_DDTREE: DraftMode.DDTREE}
+
+
+def item_from_proto(i: int, msg: dpb.ProposeItem) -> ProposeItem | ItemError:
+    """Wire decoding errors (bad tensor bytes, unknown mode) become this item's error only."""
+    try:
+        features = from_proto(msg.features, f"items[{i}].features")
+    except ServiceError as e:
+        return ItemError(msg.session_id, "features", e.message)
+    if msg.mode not in _MODES:
+        return ItemError(msg.session_id, "mode", f"unknown draft mode {msg.mode}")
+    return ProposeItem(session_id=msg.session_id, start_position=msg.start_position, features=features,
+                       root_token=msg.root_token, tree_budget=msg.tree_budget, mode=_MODES[msg.mode],
+                       return_draft_logprobs=msg.return_draft_logprobs, reset=msg.reset)
+
+
+def result_to_proto(r) -> dpb.ProposeResult:
+    if isinstance(r, ItemError):
+        return dpb.ProposeResult(session_id=r.session_id, error=dpb.ItemError(field=r.field, message=r.message))
+    if not isinstance(r, Proposal):
+        return dpb.ProposeResult(session_id=r.session_id, resync_required=dpb.ResyncRequired(cache_length=r.cache_len))
+    out = dpb.ProposeResult(session_id=r.session_id, tree=dpb.DraftTree(
+        tokens=r.tree.tokens.tolist(), parents=r.tree.parents.tolist(), depths=r.tree.depths.tolist()))
+    if r.topk_ids is not None:
+        out.draft_logprobs.k = r.topk_ids.shape[1]
+        out.draft_logprobs.token_ids.extend(r.topk_ids.reshape(-1).tolist())
+        out.draft_logprobs.logprobs.extend(r.topk_logprobs.reshape(-1).tolist())
+    return out
+
+
+class DrafterServicer(dpb_grpc.DrafterServicer):
+    def __init__(self):
+        self.engine: DrafterEngine | None = None
+
+    def _engine(self) -> DrafterEngine:
+        if self.engine is None:
+            raise Unavailable("drafter is still loading")
+        return self.engine
+
+    async def Propose(self, request, context):
+        engine = self._engine()
+        decoded = [item_from_proto(i, m) for i, m in enumerate(request.items)]
+        items = [d for d in decoded if isinstance(d, ProposeItem)]
+        done = iter(await asyncio.to_thread(engine.propose, items))
+        results = [d if isinstance(d, ItemError) else next(done) for d in decoded]
+        return dpb.ProposeResponse(results=[result_to_proto(r) for r in results])
+
+    async def Release(self, request, context):
+        try:
+            self._engine().release(request.session_id)
+        except UnknownSessionError:
+            raise InvalidArgument("session_id", f"unknown session {request.session_id!r}") from None
+        return dpb.ReleaseResponse()
+
+    async def GetInfo(self, request, context):
+        i = self._engine().info()
+        return dpb.DrafterInfo(
+            block_size=i.block_size, target_layer_ids=list(i.target_layer_ids), mask_token_id=i.mask_token_id,
+            target_hidden_size=i.target_hidden_size, hidden_size=i.hidden_size, vocab_size=i.vocab_size,
+            max_tree_budget=i.max_tree_budget, sessions=i.sessions, cache_bytes_used=i.bytes_used,
+            cache_bytes_budget=i.bytes_total, window=i.window or 0, model_name=i.model_name)
+
+
+def load_engine(config: DrafterConfig) -> DrafterEngine:
+    options = EngineOptions(cache_bytes=config.cache_mb * 2**20, window=config.window or None,
+                            max_tree_budget=config.max_tree_budget)
+    return DrafterEngine.load(config.model, config.target_model, device=config.device,
+                              dtype=DTYPES[config.dtype], options=options)
+
+
+def main(config: DrafterConfig) -> int:
+    configure_logging("drafter", config.log_level, json=config.log_format == "json")
+    servicer = DrafterServicer()
+
+    async def warmup() -> None:
+        servicer.engine = await asyncio.to_thread(load_engine, config)
+        log.info("drafter_ready", **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
+
+    asyncio.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],
+                           warmup=warmup))
+    return 0

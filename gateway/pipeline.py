@@ -1,0 +1,148 @@
+"""The gateway's work for one request: admission, the verifier stream, detokenization, stop strings.
+
+The verifier speaks token ids; everything textual happens here. A stop string ends the stream
+here (the verifier call is cancelled, which cancels its session within one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.internal.v1 import verifier_pb2 as vpb
+from ddtree.internal.v1 import verifier_pb2_grpc as vpb_grpc
+from ddtree.v1 import generation_pb2 as pb
+from gateway import metrics
+from gateway.config import GatewayConfig
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stops import StopMatcher
+from gateway.tokenizer import KimiTokenizer
+from gateway.validation import Job, Limits
+from service_kit.errors import ResourceExhausted, ServiceError, Unavailable
+from service_kit.server import channel_options
+
+VERIFIER_SERVICE = "ddtree.internal.v1.Verifier"
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: KimiTokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.channel = grpc.aio.insecure_channel(config.verifier, options=channel_options(config.internal_max_message_mb))
+        self.verifier = vpb_grpc.VerifierStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: vpb.VerifierInfo | None = None
+        self.limits: Limits | None = None
+        self.running = 0
+
+    async def connect(self, timeout_s: float | None = None) -> None:
+        """Waits until the verifier reports SERVING, then caches its limits."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not await self.verifier_serving():
+            if deadline is not None and time.monotonic() > deadline:
+                raise Unavailable(f"verifier {self.config.verifier} not serving after {timeout_s}s")
+            await asyncio.sleep(0.5)
+        self.info = await self.verifier.GetInfo(vpb.GetVerifierInfoRequest(), timeout=10)
+        self.limits = Limits(
+            vocab_size=self.info.vocab_size, max_context=self.info.max_context_length,
+            max_new_tokens=self.info.max_new_tokens_limit,
+            default_max_new_tokens=min(self.config.default_max_new_tokens, self.info.max_new_tokens_limit),
+            max_tree_budget=self.info.max_tree_budget, max_stop_strings=self.config.max_stop_strings)
+
+    async def verifier_serving(self) -> bool:
+        try:
+            r = await self.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=2)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def admit(self) -> None:
+        if self.running >= self.config.max_concurrent_requests:
+            metrics.REJECTED.labels("queue_full").inc()
+            raise ResourceExhausted(f"{self.running} requests in flight (limit "
+                                    f"{self.config.max_concurrent_requests}); retry later")
+
+    async def generate(self, job: Job, timeout_s: float):
+        """Yields public GenerateResponse messages for one admitted job."""
+        self.admit()
+        self.running += 1
+        metrics.RUNNING.inc()
+        t0 = time.monotonic()
+        call = self.verifier.Generate(job.request, timeout=timeout_s)
+        reason = "error"
+        try:
+            async for resp in self._relay(job, call, t0):
+                if resp.HasField("final"):
+                    reason = pb.FinishReason.Name(resp.final.finish_reason)
+                yield resp
+        except grpc.aio.AioRpcError as e:
+            reason = e.code().name
+            raise _downstream_error(e) from e
+        except asyncio.CancelledError:
+            reason = "CANCELLED"
+            raise
+        finally:
+            call.cancel()
+            self.running -= 1
+            metrics.RUNNING.dec()
+            metrics.REQUESTS.labels(reason).inc()
+            metrics.E2E.observe(time.monotonic() - t0)
+
+    async def _relay(self, job: Job, call, t0: float):
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopMatcher(list(job.stops))
+        last = None
+        async for msg in call:
+            if msg.HasField("final"):
+                tail, _ = stops.feed(detok.flush())
+                tail += stops.flush()
+                if tail:
+                    yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
+                yield pb.GenerateResponse(final=_final(msg.final, len(job.request.prompt_ids)))
+                return
+            c = msg.chunk
+            now = time.monotonic()
+            _observe_latency(last, t0, now, len(c.token_ids))
+            last = now
+            metrics.GENERATION_TOKENS.inc(len(c.token_ids))
+            text, matched = stops.feed(detok.feed(c.token_ids))
+            yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=c.token_ids, text=text, logprobs=c.logprobs,
+                                                     num_verify_steps=c.num_verify_steps))
+            if matched is not None:
+                call.cancel()
+                yield pb.GenerateResponse(final=pb.Final(
+                    finish_reason=pb.FINISH_REASON_STOP, matched_stop=matched,
+                    usage=pb.Usage(prompt_tokens=len(job.request.prompt_ids),
+                                   completion_tokens=detok.num_tokens)))
+                return
+        raise Unavailable("verifier stream ended without a final message")
+
+
+def _observe_latency(last: float | None, t0: float, now: float, n: int) -> None:
+    if n == 0:
+        return
+    if last is None:
+        metrics.TTFT.observe(now - t0)
+        return
+    for _ in range(n):
+        metrics.ITL.observe((now - last) / n)
+
+
+def _final(f: vpb.VerifierFinal, prompt_tokens: int) -> pb.Final:
+    metrics.PROMPT_TOKENS.inc(prompt_tokens)
+    if f.spec_stats.verify_steps:
+        metrics.ACCEPTANCE.observe(f.spec_stats.mean_acceptance_length)
+    final = pb.Final(finish_reason=f.finish_reason, spec_stats=f.spec_stats,
+                     usage=pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens))
+    if f.HasField("matched_stop_token_id"):
+        final.matched_stop_token_id = f.matched_stop_token_id
+    return final
+
+
+def _downstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
+    """Pass the verifier's status through; transport failures become UNAVAILABLE."""
+    code = e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.UNAVAILABLE
+    return ServiceError(f"verifier: {e.details()}", code)

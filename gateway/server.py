@@ -1,0 +1,107 @@
+"""Public `ddtree.v1.Generation` servicer: proto in, one call, proto out. Text lives in the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ddtree.v1 import generation_pb2 as pb
+from ddtree.v1 import generation_pb2_grpc as pb_grpc
+from gateway.config import GatewayConfig
+from gateway.pipeline import Gateway
+from gateway.tokenizer import KimiTokenizer
+from gateway.validation import to_job
+from service_kit import __version__
+from service_kit.errors import InvalidArgument, Unavailable
+from service_kit.logs import configure_logging, get_logger
+from service_kit.server import Lifecycle, Service, run_server
+
+log = get_logger("gateway")
+SERVICE_NAME = "ddtree.v1.Generation"
+FEATURES = ("ar", "chain", "ddtree", "sampling", "logprobs", "stop_strings", "chat", "spec_stats")
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def _limits(self):
+        if self.gateway.limits is None:
+            raise Unavailable("gateway is not connected to a verifier yet")
+        return self.gateway.limits
+
+    async def Generate(self, request, context):
+        job = to_job(request, self.gateway.tokenizer, self._limits())
+        remaining = context.time_remaining()
+        timeout = self.gateway.config.default_timeout_s if remaining is None else remaining
+        async for response in self.gateway.generate(job, timeout):
+            yield response
+
+    async def Tokenize(self, request, context):
+        tok = self.gateway.tokenizer
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidArgument("input", "one of text or chat is required")
+        if kind == "text":
+            ids = tok.encode(request.text)
+        else:
+            if not request.chat.messages:
+                raise InvalidArgument("chat.messages", "must not be empty")
+            ids = tok.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.decode([i]) for i in ids])
+
+    async def GetServerInfo(self, request, context):
+        return server_info(self.gateway)
+
+
+def server_info(gateway: Gateway) -> pb.ServerInfo:
+    info = gateway.info
+    if info is None:
+        raise Unavailable("gateway is not connected to a verifier yet")
+    healthy = sum(1 for d in info.drafters if d.state == "healthy")
+    return pb.ServerInfo(
+        model_name=info.model_name, version=__version__, vocab_size=info.vocab_size,
+        max_context_length=info.max_context_length, max_new_tokens_limit=info.max_new_tokens_limit,
+        default_mode=info.default_mode, default_tree_budget=info.default_tree_budget,
+        max_tree_budget=info.max_tree_budget, drafter_block_size=info.drafter_block_size,
+        eos_token_ids=info.eos_token_ids, supported_features=FEATURES,
+        verifier_world_size=info.world_size, drafter_replicas=len(info.drafters),
+        drafter_replicas_healthy=healthy, max_concurrent_requests=gateway.config.max_concurrent_requests)
+
+
+async def follow_verifier(gateway: Gateway, lifecycle: Lifecycle, period_s: float = 1.0) -> None:
+    """Gateway readiness follows the verifier's: NOT_SERVING within ~period_s of it going away."""
+    was = True
+    while True:
+        await asyncio.sleep(period_s)
+        now = await gateway.verifier_serving()
+        if now and not was:
+            await gateway.connect(timeout_s=10)
+        if now != was:
+            log.warning("verifier_health_changed", serving=now)
+            await lifecycle.set_serving(now)
+        was = now
+
+
+def main(config: GatewayConfig) -> int:
+    configure_logging("gateway", config.log_level, json=config.log_format == "json")
+    tokenizer = KimiTokenizer.from_dir(config.model)
+
+    async def run() -> None:
+        gateway = Gateway(config, tokenizer)
+        lifecycle = Lifecycle()
+        tasks = []
+
+        async def warmup() -> None:
+            await gateway.connect()
+            tasks.append(asyncio.create_task(follow_verifier(gateway, lifecycle)))
+
+        async def on_stop() -> None:
+            for t in tasks:
+                t.cancel()
+            await gateway.channel.close()
+
+        await run_server(config, [Service(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(gateway),
+                                          SERVICE_NAME)], lifecycle=lifecycle, warmup=warmup, on_stop=on_stop)
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,110 @@
+"""Public GenerateRequest → validated internal VerifierGenerateRequest. Every rejection names its field."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from ddtree.internal.v1 import verifier_pb2 as vpb
+from ddtree.v1 import generation_pb2 as pb
+from gateway.tokenizer import KimiTokenizer
+from service_kit.errors import InvalidArgument
+
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the verifier accepts (from its GetInfo) plus the gateway's own knobs."""
+
+    vocab_size: int
+    max_context: int
+    max_new_tokens: int
+    default_max_new_tokens: int
+    max_tree_budget: int
+    max_stop_strings: int
+
+
+@dataclass(frozen=True)
+class Job:
+    request: vpb.VerifierGenerateRequest
+    stops: tuple[str, ...]
+
+
+def prompt_ids(req: pb.GenerateRequest, tok: KimiTokenizer) -> list[int]:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("input", "one of text, token_ids or chat is required")
+    if kind == "text":
+        return tok.encode(req.text)
+    if kind == "token_ids":
+        return list(req.token_ids.ids)
+    if not req.chat.messages:
+        raise InvalidArgument("chat.messages", "must not be empty")
+    for i, m in enumerate(req.chat.messages):
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {m.role!r}")
+    kwargs = {"thinking": req.chat.thinking} if req.chat.HasField("thinking") else {}
+    messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    try:
+        return tok.encode_chat(messages, **kwargs)
+    except ValueError as e:
+        raise InvalidArgument("chat", str(e)) from e
+
+
+def check_sampling(s: pb.SamplingParams) -> None:
+    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not (0.0 < s.top_p <= 1.0):
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < 0:
+        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {s.top_k}")
+
+
+def check_stopping(st: pb.StoppingCriteria, limits: Limits) -> int:
+    max_new = st.max_new_tokens if st.HasField("max_new_tokens") else limits.default_max_new_tokens
+    if not 1 <= max_new <= limits.max_new_tokens:
+        raise InvalidArgument("stopping.max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+    if len(st.stop) > limits.max_stop_strings:
+        raise InvalidArgument("stopping.stop", f"at most {limits.max_stop_strings} stop strings")
+    for i, s in enumerate(st.stop):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"stopping.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters")
+    for i, t in enumerate(st.stop_token_ids):
+        if not 0 <= t < limits.vocab_size:
+            raise InvalidArgument(f"stopping.stop_token_ids[{i}]", f"{t} is outside [0, {limits.vocab_size})")
+    return max_new
+
+
+def check_speculation(sp: pb.SpeculationParams, limits: Limits) -> None:
+    if sp.mode not in pb.SpecMode.values():
+        raise InvalidArgument("speculation.mode", f"unknown mode {sp.mode}")
+    if sp.HasField("tree_budget") and not 1 <= sp.tree_budget <= limits.max_tree_budget:
+        raise InvalidArgument("speculation.tree_budget",
+                              f"must be in [1, {limits.max_tree_budget}], got {sp.tree_budget}")
+
+
+def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
+    """Validates every field; tokenizes; builds the verifier request."""
+    if len(req.request_id) > 256:
+        raise InvalidArgument("request_id", "longer than 256 characters")
+    check_sampling(req.sampling)
+    max_new = check_stopping(req.stopping, limits)
+    check_speculation(req.speculation, limits)
+    ids = prompt_ids(req, tok)
+    if not ids:
+        raise InvalidArgument("input", "the prompt is empty")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token_ids.ids[{bad}]", f"{ids[bad]} is outside [0, {limits.vocab_size})")
+    if len(ids) >= limits.max_context:
+        raise InvalidArgument("input", f"prompt of {len(ids)} tokens does not fit the context limit "
+                                       f"{limits.max_context} (one token must remain for generation)")
+    return Job(
+        request=vpb.VerifierGenerateRequest(
+            request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
+            max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
+            ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
+            return_logprobs=req.return_logprobs),
+        stops=tuple(req.stopping.stop))

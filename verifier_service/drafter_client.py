@@ -1,0 +1,181 @@
+"""The verifier's view of its drafter replicas: sticky routing, per-step deadline, failover, resync.
+
+Called from the engine's step thread (sync gRPC, one Propose per replica per step, in parallel).
+A session sticks to one replica; a replica that fails or is late marks its sessions "no draft this
+step" (they verify root-only, i.e. plain AR — output unchanged). A failed replica is marked down and
+its sessions move to a healthy one on their next step with `reset` + the last `window` feature rows.
+Down replicas are probed in the background and take new sessions again once they answer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.internal.v1 import drafter_pb2 as dpb
+from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
+from service_kit.logs import get_logger
+from service_kit.server import channel_options
+from service_kit.tensors import to_proto
+
+log = get_logger("verifier.drafter_client")
+DRAFTER_SERVICE = "ddtree.internal.v1.Drafter"
+
+
+@dataclass
+class DraftRequest:
+    session_id: str
+    start_position: int  # absolute position of features[0]
+    features: torch.Tensor  # [n, F] bf16, rows start_position .. start_position+n-1
+    root_token: int
+    tree_budget: int
+    chain: bool
+    reset: bool = False
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    parents: list[int]
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.Channel
+    stub: dpb_grpc.DrafterStub
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = True
+    sessions: set[str] = field(default_factory=set)
+
+
+def expand_targets(targets: tuple[str, ...]) -> list[str]:
+    """host:port entries as given; `dns:///name:port` → every address the name resolves to."""
+    out: list[str] = []
+    for t in targets:
+        if not t.startswith("dns:///"):
+            out.append(t)
+            continue
+        host, _, port = t[len("dns:///"):].rpartition(":")
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        out.extend(sorted({f"{i[4][0]}:{port}" if ":" not in i[4][0] else f"[{i[4][0]}]:{port}" for i in infos}))
+    return out
+
+
+class DrafterClient:
+    def __init__(self, targets: tuple[str, ...], *, deadline_s: float, max_message_mb: int = 256,
+                 probe_period_s: float = 1.0):
+        self.deadline_s = deadline_s
+        self.options = channel_options(max_message_mb)
+        self.replicas: dict[str, Replica] = {}
+        for address in expand_targets(targets):
+            self._add(address)
+        self.assignment: dict[str, Replica] = {}
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._probe = threading.Thread(target=self._probe_loop, args=(probe_period_s, targets), daemon=True)
+        self._probe.start()
+
+    def _add(self, address: str) -> None:
+        channel = grpc.insecure_channel(address, options=self.options)
+        self.replicas[address] = Replica(address, channel, dpb_grpc.DrafterStub(channel),
+                                         health_pb2_grpc.HealthStub(channel))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.replicas)
+
+    def route(self, session_id: str) -> Replica | None:
+        """Sticky replica of a session; a new or orphaned session goes to the least-loaded healthy one."""
+        with self.lock:
+            r = self.assignment.get(session_id)
+            if r is not None and r.healthy:
+                return r
+            healthy = [x for x in self.replicas.values() if x.healthy]
+            if not healthy:
+                return None
+            best = min(healthy, key=lambda x: (len(x.sessions), x.address))
+            if r is not None:
+                r.sessions.discard(session_id)
+            best.sessions.add(session_id)
+            self.assignment[session_id] = best
+            return best
+
+    def propose(self, requests: list[DraftRequest], replica_of: dict[str, Replica]) -> dict[str, object]:
+        """One Propose per replica, concurrently; returns session_id → Draft | ResyncRequired | ItemError.
+        Sessions missing from the result got no draft this step (late, failed, or no replica)."""
+        by_replica: dict[str, list[DraftRequest]] = {}
+        for req in requests:
+            by_replica.setdefault(replica_of[req.session_id].address, []).append(req)
+        futures = {}
+        for address, reqs in by_replica.items():
+            msg = dpb.ProposeRequest(items=[_item(r) for r in reqs])
+            futures[address] = self.replicas[address].stub.Propose.future(msg, timeout=self.deadline_s)
+        results: dict[str, object] = {}
+        for address, fut in futures.items():
+            try:
+                resp = fut.result()
+            except grpc.RpcError as e:
+                self._failed(address, e)
+                continue
+            for res in resp.results:
+                kind = res.WhichOneof("outcome")
+                if kind == "tree":
+                    results[res.session_id] = Draft(list(res.tree.tokens), list(res.tree.parents))
+                else:
+                    results[res.session_id] = getattr(res, kind)
+        return results
+
+    def _failed(self, address: str, e: grpc.RpcError) -> None:
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            log.warning("drafter_late", replica=address, deadline_s=self.deadline_s)
+            return
+        log.warning("drafter_down", replica=address, code=code.name, details=e.details())
+        with self.lock:
+            self.replicas[address].healthy = False
+
+    def release(self, session_id: str) -> None:
+        with self.lock:
+            r = self.assignment.pop(session_id, None)
+            if r is not None:
+                r.sessions.discard(session_id)
+        if r is not None and r.healthy:
+            r.stub.Release.future(dpb.ReleaseRequest(session_id=session_id), timeout=5)
+
+    def _probe_loop(self, period_s: float, targets: tuple[str, ...]) -> None:
+        while not self._stop.wait(period_s):
+            for r in list(self.replicas.values()):
+                ok = _serving(r.health)
+                if ok != r.healthy:
+                    log.info("drafter_health_changed", replica=r.address, healthy=ok)
+                    r.healthy = ok
+
+    def states(self) -> list[tuple[str, str, int]]:
+        return [(r.address, "healthy" if r.healthy else "down", len(r.sessions)) for r in self.replicas.values()]
+
+    def close(self) -> None:
+        self._stop.set()
+        for r in self.replicas.values():
+            r.channel.close()
+
+
+def _serving(health: health_pb2_grpc.HealthStub) -> bool:
+    try:
+        r = health.Check(health_pb2.HealthCheckRequest(service=DRAFTER_SERVICE), timeout=1)
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _item(r: DraftRequest) -> dpb.ProposeItem:
+    return dpb.ProposeItem(
+        session_id=r.session_id, start_position=r.start_position, features=to_proto(r.features),
+        root_token=r.root_token, tree_budget=r.tree_budget, reset=r.reset,
+        mode=dpb.DRAFT_MODE_CHAIN if r.chain else dpb.DRAFT_MODE_DDTREE)

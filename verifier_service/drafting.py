@@ -1,0 +1,66 @@
+"""Builds each step's draft requests from session state and folds the answers back in.
+
+Feature bookkeeping per session: the drafter holds rows [0, drafter_len); each step sends rows
+[drafter_len, committed) with the root token. Whenever the verifier cannot be sure what the
+drafter holds (a resync answer, an item error, a late or failed call, a move to another replica)
+the next request is a `reset` with the last `window` rows from the session's FeatureRing.
+"""
+
+from __future__ import annotations
+
+from ddtree.internal.v1 import drafter_pb2 as dpb
+from service_kit.logs import get_logger
+from verifier_service import metrics
+from verifier_service.drafter_client import Draft, DraftRequest, DrafterClient
+from verifier_service.session import AR, CHAIN, Session
+
+log = get_logger("verifier.drafting")
+
+
+class DraftPlanner:
+    def __init__(self, client: DrafterClient, config):
+        self.client = client
+        self.config = config
+
+    def _request(self, s: Session) -> DraftRequest | None:
+        replica = self.client.route(s.id)
+        if replica is None:
+            return None
+        if replica.address != s.drafter_replica:
+            s.drafter_replica, s.needs_reset = replica.address, True
+        reset = s.needs_reset or s.drafter_len < s.features.start
+        start, rows = s.features.since(s.features.start if reset else s.drafter_len)
+        return DraftRequest(session_id=s.id, start_position=start, features=rows, root_token=s.pending,
+                            tree_budget=s.params.tree_budget, chain=s.params.mode == CHAIN, reset=reset)
+
+    def draft(self, sessions: list[Session]) -> dict[str, Draft]:
+        """session_id → Draft for the sessions that got one this step (others verify root-only)."""
+        wanted = [s for s in sessions if s.params.mode != AR and s.features.rows is not None]
+        requests = {}
+        for s in wanted:
+            req = self._request(s)
+            if req is not None:
+                requests[s.id] = req
+        if not requests:
+            return {}
+        replica_of = {s.id: self.client.replicas[s.drafter_replica] for s in wanted if s.id in requests}
+        answers = self.client.propose(list(requests.values()), replica_of)
+        drafts = {}
+        for s in wanted:
+            if s.id not in requests:
+                continue
+            drafts_for = answers.get(s.id)
+            if isinstance(drafts_for, Draft):
+                s.drafter_len, s.needs_reset = s.features.end, False
+                drafts[s.id] = drafts_for
+                continue
+            s.needs_reset = True  # unknown drafter state: resend the window next step
+            if isinstance(drafts_for, dpb.ItemError):
+                log.warning("draft_item_error", session=s.id, field=drafts_for.field, message=drafts_for.message)
+            elif drafts_for is None:
+                metrics.DRAFT_UNAVAILABLE.inc()
+        return drafts
+
+    def release(self, s: Session) -> None:
+        if s.drafter_replica is not None:
+            self.client.release(s.id)

@@ -1,0 +1,235 @@
+"""The verifier's decode loop: continuous batching of prefill chunks and tree verifies.
+
+One step = (1) admit waiting sessions while KV pages last; (2) one Propose per drafter replica for
+the decoding sessions; (3) ONE target forward over every prefill chunk and every session's
+[root, tree nodes…] rows; (4) accept per session (greedy walk or sample-and-walk); (5) commit the
+accepted rows' KV, keep their features for the drafter, emit path + bonus tokens.
+The loop runs in its own thread; gRPC handlers talk to it through `submit` and `cancel`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+import torch
+
+from ddtree.v1 import generation_pb2 as pb
+from service_kit.logs import get_logger
+from verifier_service import metrics
+from verifier_service.drafting import DraftPlanner
+from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
+from verifier_service.session import AR, Emission, Session
+from verifier_service.stepping import accept_session, first_token
+
+log = get_logger("verifier.engine")
+
+
+class Engine:
+    def __init__(self, runner, config, drafters=None):
+        self.runner = runner  # owns model + cache (runner.forward(plan) -> ForwardOutput)
+        self.config = config
+        self.cache = runner.cache
+        self.table = runner.cache.table
+        self.drafting = DraftPlanner(drafters, config) if drafters is not None and drafters.enabled else None
+        self.eos_ids = frozenset(runner.cfg.eos_token_id)
+        self.block_size = 0  # the drafter's, once it has told us
+        self.waiting: deque[Session] = deque()
+        self.active: dict[str, Session] = {}
+        self.reserved: dict[str, int] = {}  # pages promised to each admitted session
+        self._cancel: set[str] = set()
+        self._wake = threading.Condition()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # ---- called from gRPC handlers (any thread) ----
+    def submit(self, session: Session) -> None:
+        with self._wake:
+            self.waiting.append(session)
+            self._wake.notify()
+
+    def cancel(self, session_id: str) -> bool:
+        with self._wake:
+            known = session_id in self.active or any(s.id == session_id for s in self.waiting)
+            if known:
+                self._cancel.add(session_id)
+                self._wake.notify()
+            return known
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self.thread.join(timeout=10)
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self.active) + len(self.waiting)
+
+    # ---- the loop ----
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.active and not self.waiting:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                cancelled, self._cancel = self._cancel, set()
+            for sid in cancelled:
+                self._finish_cancelled(sid)
+            self._admit()
+            if self.active:
+                try:
+                    self.step()
+                except Exception as e:  # a failed forward fails the step's sessions, not the service
+                    log.exception("step_failed")
+                    for s in list(self.active.values()):
+                        self._finish(s, Emission([], [], 0, finish_reason=pb.FINISH_REASON_UNSPECIFIED,
+                                                 error=f"{type(e).__name__}: {e}"))
+
+    def _pages_needed(self, s: Session) -> int:
+        ps = self.table.page_size
+        total = min(len(s.prompt) + s.params.max_new_tokens, self.config.max_context)
+        return math.ceil(total / ps) + math.ceil((self.config.max_tree_budget + 1) / ps) + 1
+
+    def _admit(self) -> None:
+        metrics.WAITING.set(len(self.waiting))
+        metrics.RUNNING.set(len(self.active))
+        metrics.KV_USAGE.set(1 - self.table.num_free / self.table.num_pages)
+        while self.waiting and len(self.active) < self.config.max_batch:
+            s = self.waiting[0]
+            need = self._pages_needed(s)
+            if sum(self.reserved.values()) + need > self.table.num_pages:
+                if not self.active:  # can never fit: fail instead of waiting forever
+                    self.waiting.popleft()
+                    s.emit(Emission([], [], 0, finish_reason=pb.FINISH_REASON_UNSPECIFIED,
+                                    error=f"needs {need} KV pages, the cache has {self.table.num_pages}",
+                                    error_code="RESOURCE_EXHAUSTED"))
+                break
+            self.waiting.popleft()
+            self.table.open(s.id)
+            self.reserved[s.id] = need
+            self.active[s.id] = s
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        decoding = [s for s in self.active.values() if s.decoding]
+        drafts = self.drafting.draft(decoding) if self.drafting else {}
+        t1 = time.perf_counter()
+        seqs, jobs = self._rows(decoding, drafts)
+        logit_rows = [r for job in jobs for r in job["logit_rows"]]
+        plan = build_plan(seqs, logit_rows=logit_rows, device=self.runner.device)
+        out = self.runner.forward(plan)
+        t2 = time.perf_counter()
+        self._finish_step(jobs, out)
+        t3 = time.perf_counter()
+        metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2,
+                             rows=plan.num_rows, sessions=len(decoding))
+
+    def _rows(self, decoding: list[Session], drafts: dict):
+        """Per-session SeqRows (verify trees first, then prefill chunks) and what to do with the output."""
+        seqs, jobs, row = [], [], 0
+        for s in decoding:
+            d = drafts.get(s.id)
+            tokens, parents = (d.tokens, d.parents) if d is not None else ([], [])
+            n = len(tokens) + 1
+            seqs.append(SeqRows([s.pending, *tokens], tree_parents(parents), self.table.length(s.id),
+                                self.table.pages(s.id), self.table.scratch(s.id, n)))
+            jobs.append(dict(kind="verify", s=s, tokens=tokens, parents=parents, rows=range(row, row + n),
+                             logit_rows=list(range(row, row + n))))
+            row += n
+        budget = self.config.prefill_chunk
+        for s in self.active.values():
+            if s.decoding or budget <= 0:
+                continue
+            start = s.prefilled
+            chunk = s.prompt[start: start + budget]
+            budget -= len(chunk)
+            slots = self.table.extend(s.id, len(chunk))
+            seqs.append(SeqRows(chunk, chain_parents(len(chunk)), start, self.table.pages(s.id), slots))
+            last = start + len(chunk) == len(s.prompt)
+            jobs.append(dict(kind="prefill", s=s, start=start, n=len(chunk), rows=range(row, row + len(chunk)),
+                             logit_rows=[row + len(chunk) - 1] if last else []))
+            row += len(chunk)
+        return seqs, jobs
+
+    def _finish_step(self, jobs, out) -> None:
+        logit_at, i = {}, 0
+        for job in jobs:
+            for r in job["logit_rows"]:
+                logit_at[r] = i
+                i += 1
+        for job in jobs:
+            s = job["s"]
+            if s.finished:
+                continue
+            hidden = out.hidden[job["rows"].start: job["rows"].stop] if out.hidden.shape[-1] else None
+            logits = out.logits[[logit_at[r] for r in job["logit_rows"]]] if job["logit_rows"] else None
+            if job["kind"] == "prefill":
+                self._after_prefill(s, job, hidden, logits)
+            else:
+                self._after_verify(s, job, hidden, logits)
+
+    def _after_prefill(self, s: Session, job, hidden, logits) -> None:
+        if hidden is not None and s.features_on:
+            s.features.append(job["start"], hidden)
+        s.prefilled += job["n"]
+        if logits is None:
+            return
+        token, logprob = first_token(s, logits[0])
+        self._emit(s, [token], [logprob], steps=0)
+
+    def _after_verify(self, s: Session, job, hidden, logits) -> None:
+        length = self.table.length(s.id)
+        walk, logprobs = accept_session(s, job["tokens"], job["parents"], logits)
+        self.cache.commit(s.id, walk.accepted_rows)
+        if hidden is not None and s.features_on:
+            s.features.append(length, hidden[walk.accepted_rows])
+        drafted = len(job["tokens"])
+        s.stats.record(len(walk.accepted_rows) - 1, drafted)
+        metrics.observe_acceptance(len(walk.accepted_rows), drafted)
+        self._emit(s, walk.tokens, logprobs, steps=1)
+
+    def _emit(self, s: Session, tokens: list[int], logprobs: list[float], steps: int) -> None:
+        kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
+        s.emitted += len(kept)
+        s.rng.advance(len(tokens) if reason is None else len(kept))
+        if reason is None:
+            s.pending = tokens[-1]
+        lp = logprobs[: len(kept)] if s.params.return_logprobs else []
+        if kept or reason is None:
+            s.emit(Emission(kept, lp, steps))
+        if reason is not None:
+            self._finish(s, Emission([], [], 0, finish_reason=reason, matched_stop_token_id=stop_id))
+
+    def _finish_cancelled(self, sid: str) -> None:
+        for s in list(self.waiting):
+            if s.id == sid:
+                self.waiting.remove(s)
+                s.emit(Emission([], [], 0, finish_reason=pb.FINISH_REASON_CANCELLED))
+        if sid in self.active:
+            self._finish(self.active[sid], Emission([], [], 0, finish_reason=pb.FINISH_REASON_CANCELLED))
+
+    def _finish(self, s: Session, final: Emission) -> None:
+        s.finished = True
+        self.active.pop(s.id, None)
+        self.reserved.pop(s.id, None)
+        if s.id in self.table.sessions():
+            self.table.close(s.id)
+        if self.drafting:
+            self.drafting.release(s)
+        s.emit(final)
+
+
+def build_engine(config) -> Engine:
+    from verifier_service.drafter_client import DrafterClient
+    from verifier_service.runner import Runner
+
+    runner = Runner(config)
+    drafters = DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000) if config.drafter else None
+    return Engine(runner, config, drafters)

@@ -1,0 +1,38 @@
+"""Verifier Prometheus metrics (`ddtree_` prefix, base units; PromQL conventions in docs/ARCHITECTURE.md)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEP_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0, 4.0)
+
+VERIFY_SECONDS = Histogram("ddtree_verify_step_seconds", "One target forward over a step's rows", buckets=STEP_BUCKETS)
+DRAFT_SECONDS = Histogram("ddtree_draft_seconds", "Waiting for drafts in one step", buckets=STEP_BUCKETS)
+ACCEPT_SECONDS = Histogram("ddtree_accept_commit_seconds", "Acceptance, KV commit and emission of one step",
+                           buckets=STEP_BUCKETS)
+STEP_ROWS = Histogram("ddtree_step_rows", "Rows in one target forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+TREE_NODES = Histogram("ddtree_spec_tree_nodes", "Draft nodes verified per session step", buckets=(0, 1, 2, 4, 7, 8, 16, 32, 64, 128, 256))
+ACCEPTANCE = Histogram("ddtree_spec_decode_acceptance_length_per_step", "Tokens committed per session step",
+                       buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
+NUM_DRAFTS = Counter("ddtree_spec_decode_num_drafts_total", "Session verify steps")
+NUM_DRAFT_TOKENS = Counter("ddtree_spec_decode_num_draft_tokens_total", "Draft tree nodes verified")
+NUM_ACCEPTED = Counter("ddtree_spec_decode_num_accepted_tokens_total", "Draft tokens accepted")
+DRAFT_UNAVAILABLE = Counter("ddtree_draft_unavailable_steps_total", "Session steps verified without a draft "
+                            "because the drafter was late or failed")
+RUNNING = Gauge("ddtree_num_sessions_running", "Sessions admitted to the decode loop")
+WAITING = Gauge("ddtree_num_sessions_waiting", "Sessions waiting for KV pages or a batch slot")
+KV_USAGE = Gauge("ddtree_kv_cache_usage_perc", "Fraction of KV pages in use (0-1)")
+
+
+def observe_step(*, draft_s: float, verify_s: float, accept_s: float, rows: int, sessions: int) -> None:
+    if sessions:
+        DRAFT_SECONDS.observe(draft_s)
+    VERIFY_SECONDS.observe(verify_s)
+    ACCEPT_SECONDS.observe(accept_s)
+    STEP_ROWS.observe(rows)
+
+
+def observe_acceptance(committed: int, drafted: int) -> None:
+    TREE_NODES.observe(drafted)
+    ACCEPTANCE.observe(committed)
+    NUM_DRAFTS.inc()
+    NUM_DRAFT_TOKENS.inc(drafted)
+    NUM_ACCEPTED.inc(committed - 1)

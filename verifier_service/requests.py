@@ -1,0 +1,56 @@
+"""VerifierGenerateRequest validation (every rejection names its field) and its GenParams."""
+
+from __future__ import annotations
+
+import math
+
+from ddtree.internal.v1 import verifier_pb2 as vpb
+from ddtree.v1 import generation_pb2 as pb
+from service_kit.errors import InvalidArgument
+from verifier_service.session import AR, CHAIN, DDTREE, GenParams
+
+_MODES = {pb.SPEC_MODE_AR: AR, pb.SPEC_MODE_CHAIN: CHAIN, pb.SPEC_MODE_DDTREE: DDTREE}
+
+
+def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
+    if not req.request_id:
+        raise InvalidArgument("request_id", "required")
+    if not req.prompt_ids:
+        raise InvalidArgument("prompt_ids", "must not be empty")
+    bad = next((i for i, t in enumerate(req.prompt_ids) if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"prompt_ids[{bad}]", f"{req.prompt_ids[bad]} is outside [0, {cfg.vocab_size})")
+    limit = min(config.max_context, cfg.max_position_embeddings)
+    if len(req.prompt_ids) >= limit:
+        raise InvalidArgument("prompt_ids", f"{len(req.prompt_ids)} tokens leave no room in the context of {limit}")
+    if not 0 <= req.max_new_tokens <= config.max_new_tokens_limit:
+        raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens_limit}] (0 = default)")
+    s = req.sampling
+    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not 0 < s.top_p <= 1:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < 0:
+        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {s.top_k}")
+    sp = req.speculation
+    if sp.mode not in (pb.SPEC_MODE_UNSPECIFIED, *_MODES):
+        raise InvalidArgument("speculation.mode", f"unknown mode {sp.mode}")
+    if sp.HasField("tree_budget") and not 1 <= sp.tree_budget <= config.max_tree_budget:
+        raise InvalidArgument("speculation.tree_budget", f"must be in [1, {config.max_tree_budget}], got {sp.tree_budget}")
+    bad = next((t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument("stop_token_ids", f"{bad} is outside [0, {cfg.vocab_size})")
+
+
+def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
+    s, sp = req.sampling, req.speculation
+    return GenParams(
+        temperature=s.temperature if s.HasField("temperature") else 0.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        max_new_tokens=req.max_new_tokens or min(256, config.max_new_tokens_limit),
+        stop_token_ids=frozenset(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        mode=_MODES.get(sp.mode, config.default_mode),
+        tree_budget=sp.tree_budget if sp.HasField("tree_budget") else config.default_tree_budget,
+        return_logprobs=req.return_logprobs)

@@ -1,0 +1,143 @@
+"""`ddtree.internal.v1.Verifier` servicer: proto in, one engine call, proto out."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+
+from ddtree.internal.v1 import drafter_pb2 as dpb
+from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
+from ddtree.internal.v1 import verifier_pb2 as vpb
+from ddtree.internal.v1 import verifier_pb2_grpc as vpb_grpc
+from ddtree.v1 import generation_pb2 as pb
+from service_kit.errors import InvalidArgument, ServiceError, Unavailable
+from service_kit.logs import configure_logging, get_logger
+from service_kit.server import Service, run_server
+from verifier_service.config import VerifierConfig
+from verifier_service.requests import to_params, validate
+from verifier_service.session import Emission, Session
+
+log = get_logger("verifier")
+SERVICE_NAME = "ddtree.internal.v1.Verifier"
+_MODE_PB = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
+
+
+class VerifierServicer(vpb_grpc.VerifierServicer):
+    def __init__(self, engine, config: VerifierConfig):
+        self.engine = engine
+        self.config = config
+
+    async def Generate(self, request, context):
+        if self.engine is None:
+            raise Unavailable("verifier is still loading")
+        validate(request, self.engine.runner.cfg, self.config)
+        if request.request_id in self.engine.active or any(s.id == request.request_id for s in self.engine.waiting):
+            raise InvalidArgument("request_id", f"{request.request_id!r} is already generating")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Emission] = asyncio.Queue()
+        session = Session(request.request_id, list(request.prompt_ids), to_params(request, self.config),
+                          emit=lambda e: loop.call_soon_threadsafe(queue.put_nowait, e),
+                          window=self.config.feature_window)
+        session.features_on = bool(self.engine.runner.target_layer_ids)
+        self.engine.submit(session)
+        try:
+            while True:
+                e = await queue.get()
+                if e.error is not None:
+                    raise ServiceError(e.error, getattr(grpc.StatusCode, e.error_code))
+                if e.finish_reason is not None:
+                    yield vpb.VerifierGenerateResponse(final=_final(session, e))
+                    return
+                yield vpb.VerifierGenerateResponse(chunk=vpb.TokenChunk(
+                    token_ids=e.token_ids, logprobs=e.logprobs, num_verify_steps=e.verify_steps))
+        finally:
+            if not session.finished:
+                self.engine.cancel(session.id)  # client gone or deadline: free pages within one step
+
+    async def Cancel(self, request, context):
+        return vpb.CancelResponse(found=self.engine.cancel(request.request_id))
+
+    async def GetInfo(self, request, context):
+        if self.engine is None:
+            raise Unavailable("verifier is still loading")
+        return info(self.engine, self.config)
+
+
+def _final(s: Session, e: Emission) -> vpb.VerifierFinal:
+    f = vpb.VerifierFinal(finish_reason=e.finish_reason, prompt_tokens=len(s.prompt),
+                          completion_tokens=s.emitted, spec_stats=s.spec_stats())
+    if e.matched_stop_token_id is not None:
+        f.matched_stop_token_id = e.matched_stop_token_id
+    return f
+
+
+def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
+    cfg, runner = engine.runner.cfg, engine.runner
+    table = engine.table
+    drafters = engine.drafting.client.states() if engine.drafting else []
+    return vpb.VerifierInfo(
+        model_name=config.model.rstrip("/").split("/")[-1], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, n_routed_experts=cfg.n_routed_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, max_context_length=max_context(engine, config),
+        max_new_tokens_limit=config.max_new_tokens_limit, default_mode=_MODE_PB[config.default_mode],
+        default_tree_budget=config.default_tree_budget, max_tree_budget=config.max_tree_budget,
+        drafter_block_size=engine.block_size, eos_token_ids=list(cfg.eos_token_id),
+        pages_total=table.num_pages, pages_used=table.num_pages - table.num_free, page_size=table.page_size,
+        live_sessions=engine.live_sessions, world_size=config.world_size, device=config.device, dtype=config.dtype,
+        drafters=[vpb.DrafterReplica(address=a, state=s, sessions=n) for a, s, n in drafters],
+        memory=[vpb.RankMemory(rank=0, device=str(runner.device), weight_bytes=runner.weight_bytes,
+                               kv_cache_bytes=runner.cache.kv.numel() * runner.cache.kv.element_size())])
+
+
+def max_context(engine, config: VerifierConfig) -> int:
+    return min(config.max_context, engine.runner.cfg.max_position_embeddings)
+
+
+def fetch_drafter_layout(engine, done: threading.Event) -> None:
+    """Ask a drafter replica which target layers it reads (and its block size); sets the runner's
+    feature layers. Until an answer comes, new sessions decode plain AR."""
+    while engine.drafting and not done.is_set():
+        for r in engine.drafting.client.replicas.values():
+            try:
+                di = r.stub.GetInfo(dpb.GetDrafterInfoRequest(), timeout=2)
+            except Exception:
+                continue
+            engine.runner.target_layer_ids = tuple(di.target_layer_ids)
+            engine.block_size = di.block_size
+            log.info("drafter_layout", replica=r.address, target_layer_ids=list(di.target_layer_ids),
+                     block_size=di.block_size)
+            done.set()
+            return
+        time.sleep(1.0)
+
+
+def main(config: VerifierConfig) -> int:
+    configure_logging("verifier", config.log_level, json=config.log_format == "json")
+    from verifier_service.engine import build_engine
+
+    async def run() -> None:
+        holder = {}
+
+        async def warmup() -> None:
+            engine = await asyncio.to_thread(build_engine, config)
+            holder["engine"] = engine
+            servicer.engine = engine
+            found = threading.Event()
+            threading.Thread(target=fetch_drafter_layout, args=(engine, found), daemon=True).start()
+            await asyncio.to_thread(found.wait, 30.0)  # start without drafts if no drafter answers yet
+            engine.start()
+
+        async def on_stop() -> None:
+            if "engine" in holder:
+                holder["engine"].stop()
+
+        servicer = VerifierServicer(None, config)
+        await run_server(config, [Service(vpb_grpc.add_VerifierServicer_to_server, servicer, SERVICE_NAME)],
+                         warmup=warmup, on_stop=on_stop)
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,142 @@
+"""Per-generation state on the verifier: prompt, sampling, pending token, features kept for the
+drafter, stop handling and speculative statistics. Plain Python; the engine mutates it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.v1 import generation_pb2 as pb
+from verifier_service.acceptance import SessionRng
+
+AR, CHAIN, DDTREE = "ar", "chain", "ddtree"
+
+
+@dataclass(frozen=True)
+class GenParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    mode: str = DDTREE
+    tree_budget: int = 16
+    return_logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Emission:
+    """What a step hands to the session's stream: new tokens, or the end."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    verify_steps: int
+    finish_reason: int | None = None  # pb.FinishReason when the generation ended
+    matched_stop_token_id: int | None = None
+    error: str | None = None  # the generation failed (finish_reason is then FINISH_REASON_UNSPECIFIED)
+    error_code: str = "INTERNAL"  # grpc.StatusCode name for `error`
+
+
+class FeatureRing:
+    """The last `window` target feature rows of a session (for drafter resync), with their positions."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.rows: torch.Tensor | None = None  # [n, F]
+        self.start = 0  # absolute position of rows[0]
+
+    @property
+    def end(self) -> int:
+        return self.start + (0 if self.rows is None else self.rows.shape[0])
+
+    def append(self, position: int, rows: torch.Tensor) -> None:
+        if position != self.end:
+            raise ValueError(f"feature rows at {position} do not follow the ring's end {self.end}")
+        self.rows = rows if self.rows is None else torch.cat([self.rows, rows])
+        if self.window and self.rows.shape[0] > self.window:
+            cut = self.rows.shape[0] - self.window
+            self.rows, self.start = self.rows[cut:].clone(), self.start + cut
+
+    def since(self, position: int) -> tuple[int, torch.Tensor]:
+        """Rows from `position` (or the oldest kept, if later) to the end -> (first position, rows)."""
+        first = max(position, self.start)
+        return first, self.rows[first - self.start:]
+
+
+@dataclass
+class SpecCounters:
+    verify_steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    no_draft_steps: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def record(self, accepted: int, drafted: int) -> None:
+        self.verify_steps += 1
+        self.accepted += accepted
+        self.drafted += drafted
+        self.no_draft_steps += drafted == 0
+        if len(self.histogram) <= accepted:
+            self.histogram += [0] * (accepted + 1 - len(self.histogram))
+        self.histogram[accepted] += 1
+
+
+@dataclass
+class Session:
+    id: str
+    prompt: list[int]
+    params: GenParams
+    emit: Callable[[Emission], None]
+    window: int
+    rng: SessionRng = field(init=False)
+    features: FeatureRing = field(init=False)
+    prefilled: int = 0  # prompt tokens in the KV cache
+    pending: int | None = None  # the root b: emitted, not yet in the KV cache
+    emitted: int = 0
+    drafter_len: int = 0  # feature rows the drafter is believed to hold
+    drafter_replica: str | None = None
+    needs_reset: bool = False
+    features_on: bool = False  # the drafter's feature layers were known when the session started
+    cancelled: bool = False
+    finished: bool = False
+    stats: SpecCounters = field(default_factory=SpecCounters)
+
+    def __post_init__(self):
+        self.rng = SessionRng(self.params.seed)
+        self.features = FeatureRing(self.window)
+
+    @property
+    def decoding(self) -> bool:
+        return self.pending is not None
+
+    def truncate(self, tokens: list[int], eos_ids: frozenset[int], max_context: int):
+        """Cut a step's tokens at the first stop id / EOS / length limit -> (kept, reason, stop id)."""
+        p = self.params
+        for i, t in enumerate(tokens):
+            if t in p.stop_token_ids:
+                return tokens[:i], pb.FINISH_REASON_STOP, t
+            if not p.ignore_eos and t in eos_ids:
+                return tokens[:i], pb.FINISH_REASON_EOS, None
+            n = self.emitted + i + 1
+            if n >= p.max_new_tokens or len(self.prompt) + n >= max_context:
+                return tokens[: i + 1], pb.FINISH_REASON_LENGTH, None
+        return tokens, None, None
+
+    def spec_stats(self) -> pb.SpecStats:
+        s = self.stats
+        steps = s.verify_steps
+        return pb.SpecStats(
+            verify_steps=steps, accepted_draft_tokens=s.accepted,
+            mean_acceptance_length=(s.accepted + steps) / steps if steps else 0.0,
+            tree_budget=0 if self.params.mode == AR else self.params.tree_budget,
+            draft_tokens=s.drafted, draft_unavailable_steps=s.no_draft_steps if self.params.mode != AR else 0,
+            mode={AR: pb.SPEC_MODE_AR, CHAIN: pb.SPEC_MODE_CHAIN, DDTREE: pb.SPEC_MODE_DDTREE}[self.params.mode],
+            acceptance_histogram=s.histogram)
