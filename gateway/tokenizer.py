@@ -1,0 +1,267 @@
+"""Kimi tokenizer: tiktoken BPE ranks + 256 reserved special ids + the checkpoint's chat template.
+
+Files read from a model directory (reference/k26.md §1.3):
+  tiktoken.model         one `base64(token bytes) rank` per line, ranks exactly 0..n-1
+  tokenizer_config.json  added_tokens_decoder {"id": {"content", "special"}}, bos/eos token names,
+                         and (K2 layout) the chat template under "chat_template"
+  chat_template.jinja    the chat template (K2.5/K2.6 layout; wins over the json key)
+Special ids are n + i for i in 0..255, as in tokenization_kimi.py; unnamed slots become
+`<|reserved_token_{id}|>`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import tiktoken
+
+from gateway.chat import ChatTemplate
+
+# The K2-family pre-tokenizer, alternative by alternative as `pat_str` in tokenization_kimi.py: Han runs;
+# words (optional leading non-letter, cased letters with Han excluded, optional English contraction);
+# 1-3 digits; punctuation runs with trailing newlines; newline runs; spaces not before a non-space; spaces.
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTION,
+    r"[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTION,
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+NUM_RESERVED_SPECIAL_TOKENS = 256
+
+# tokenization_kimi.py cuts the text before tiktoken sees it (400k-char blocks, then runs of >25k
+# whitespace or non-whitespace chars, tiktoken issue 195). The cuts change ids at the seam, so we repeat
+# them exactly. str.isspace() is the class it uses; every such char is below U+3001.
+_MAX_ENCODE_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+_SPACE_CLASS = "".join(re.escape(chr(c)) for c in range(0x3001) if chr(c).isspace())
+_LONG_RUN = re.compile(f"[{_SPACE_CLASS}]{{{_MAX_RUN_CHARS + 1},}}|[^{_SPACE_CLASS}]{{{_MAX_RUN_CHARS + 1},}}")
+
+
+def _byte_to_unicode() -> list[str]:
+    """GPT-2's printable stand-in for each byte, the spelling HF uses for Kimi's token strings."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = [""] * 256, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b], extra = chr(256 + extra), extra + 1
+    return table
+
+
+_BYTE_TO_UNICODE = _byte_to_unicode()
+_UNICODE_TO_BYTE = {ch: b for b, ch in enumerate(_BYTE_TO_UNICODE)}
+
+
+def _split_like_kimi(text: str) -> list[str]:
+    pieces = []
+    for start in range(0, len(text), _MAX_ENCODE_CHARS):
+        block, cut = text[start:start + _MAX_ENCODE_CHARS], 0
+        for run in _LONG_RUN.finditer(block):
+            for pos in range(run.start() + _MAX_RUN_CHARS, run.end(), _MAX_RUN_CHARS):
+                pieces.append(block[cut:pos])
+                cut = pos
+        pieces.append(block[cut:])
+    return pieces
+
+
+def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken.model file; ranks must be exactly 0..n-1 because special ids start at n."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read BPE ranks ({e.strerror})") from e
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            token_b64, rank_str = line.split()
+            token, rank = base64.b64decode(token_b64, validate=True), int(rank_str)
+        except (ValueError, binascii.Error) as e:
+            raise ValueError(f"{path}:{lineno}: expected 'base64token rank', got {line[:80]!r}") from e
+        if token in ranks:
+            raise ValueError(f"{path}:{lineno}: duplicate token {token!r}")
+        ranks[token] = rank
+    if not ranks:
+        raise ValueError(f"{path}: no BPE ranks")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: ranks must be exactly 0..{len(ranks) - 1} (got duplicates or gaps)")
+    if any(bytes([b]) not in ranks for b in range(256)):
+        raise ValueError(f"{path}: every single byte must have a rank (byte-level BPE)")
+    return ranks
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_name(value: Any, default: str | None) -> str | None:
+    """bos_token etc. are either a string or a serialized AddedToken {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else default
+
+
+def _added_tokens(cfg: dict[str, Any], path: Path) -> tuple[dict[int, str], set[int]]:
+    names, not_special = {}, set()
+    for key, entry in (cfg.get("added_tokens_decoder") or {}).items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("content"), str) and key.isdigit()):
+            raise ValueError(f"{path}: added_tokens_decoder[{key!r}] needs an integer id and a 'content' string")
+        names[int(key)] = entry["content"]
+        if entry.get("special") is False:
+            not_special.add(int(key))
+    return names, not_special
+
+
+def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> ChatTemplate | None:
+    path = model_dir / "chat_template.jinja"
+    if path.exists():
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: cannot read chat template ({e})") from e
+        return ChatTemplate(source, origin=str(path))
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # HF's named-template list: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default", next(iter(named.values()), None))
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise ValueError(f"{model_dir / 'tokenizer_config.json'}: chat_template must be a string")
+    return ChatTemplate(source, origin=f"{model_dir / 'tokenizer_config.json'} (chat_template)")
+
+
+class KimiTokenizer:
+    """Text <-> token ids for Kimi K2-family checkpoints (and the tiny test checkpoints in the same format)."""
+
+    def __init__(self, ranks: dict[bytes, int], added_tokens: dict[int, str], *,
+                 chat_template: ChatTemplate | None = None, bos_token: str = "[BOS]", eos_token: str = "[EOS]",
+                 not_special: frozenset[int] = frozenset(), name: str = "kimi"):
+        n = len(ranks)
+        special_range = range(n, n + NUM_RESERVED_SPECIAL_TOKENS)
+        if stray := sorted(set(added_tokens) - set(special_range)):
+            raise ValueError(f"added token ids {stray[:5]} are outside the reserved range [{n}, {n + 256})")
+        self.specials = {added_tokens.get(i, f"<|reserved_token_{i}|>"): i for i in special_range}
+        if len(self.specials) != NUM_RESERVED_SPECIAL_TOKENS:
+            raise ValueError("special token names must be unique")
+        self.num_regular = n
+        self.vocab_size = n + NUM_RESERVED_SPECIAL_TOKENS
+        self.special_ids = frozenset(special_range) - not_special
+        self._ranks = ranks
+        self._enc = tiktoken.Encoding(name=name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                      special_tokens=self.specials)
+        # Byte table for all ids: decode and the incremental detokenizer join slices of it, O(tokens).
+        self._bytes: list[bytes] = [b""] * self.vocab_size
+        for token, rank in ranks.items():
+            self._bytes[rank] = token
+        for content, i in self.specials.items():
+            self._bytes[i] = content.encode("utf-8")
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_id, self.eos_id = self._special_id(bos_token), self._special_id(eos_token)
+        self.im_end_id = self.specials.get("<|im_end|>")
+        # K2.5 configs name [EOS], one K2.6 extraction names <|im_end|> (k26.md §1.2): stop on both.
+        self.stop_ids = tuple(sorted({self.eos_id} | {self.specials[t] for t in ("[EOS]", "<|im_end|>")
+                                                       if t in self.specials}))
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> KimiTokenizer:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"{model_dir}: not a directory")
+        ranks = load_tiktoken_ranks(model_dir / "tiktoken.model")
+        config_path = model_dir / "tokenizer_config.json"
+        cfg = _read_json(config_path)
+        added, not_special = _added_tokens(cfg, config_path)
+        template = _chat_template(model_dir, cfg)
+        try:  # what the constructor rejects (token names, ids) comes from tokenizer_config.json
+            return cls(ranks, added, chat_template=template,
+                       bos_token=_token_name(cfg.get("bos_token"), "[BOS]"),
+                       eos_token=_token_name(cfg.get("eos_token"), "[EOS]"),
+                       not_special=frozenset(not_special), name=model_dir.name or "kimi")
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from e
+
+    def _special_id(self, token: str) -> int:
+        if token not in self.specials:
+            raise ValueError(f"special token {token!r} is not among the reserved special tokens")
+        return self.specials[token]
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """allow_special=False encodes '<|im_end|>' in user text as plain text, never as the special id."""
+        if allow_special:
+            return [i for piece in _split_like_kimi(text) for i in self._enc.encode(piece, allowed_special="all")]
+        return [i for piece in _split_like_kimi(text) for i in self._enc.encode_ordinary(piece)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Invalid UTF-8 (a token cut inside a character) becomes U+FFFD, like tiktoken's decode."""
+        self._check_ids(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return b"".join([self._bytes[i] for i in ids]).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside [0, {self.vocab_size})")
+        return self._bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def id_to_token(self, token_id: int) -> str:
+        """HF's token spelling: the special's content, or the bytes in GPT-2's printable byte alphabet."""
+        raw = self.token_bytes(token_id)
+        if token_id >= self.num_regular:
+            return raw.decode("utf-8")
+        return "".join(_BYTE_TO_UNICODE[b] for b in raw)
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self.specials:
+            return self.specials[token]
+        if any(ch not in _UNICODE_TO_BYTE for ch in token):
+            return None
+        return self._ranks.get(bytes(_UNICODE_TO_BYTE[ch] for ch in token))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render the checkpoint's template. `thinking=True, preserve_thinking=False` are the defaults of
+        tokenization_kimi.py's apply_chat_template, so templates that read them behave as upstream."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+        context = {"thinking": True, "preserve_thinking": False, "bos_token": self.bos_token,
+                   "eos_token": self.eos_token, **kwargs}
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **context)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        # Specials are allowed in the rendered text, as upstream: the template's role markers must become
+        # special ids (and so does a marker typed inside a message, exactly as with HF's tokenizer).
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, allow_special=True)
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside [0, {self.vocab_size})")
