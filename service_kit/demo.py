@@ -1,0 +1,85 @@
+"""`make demo`: start the three services on this machine, stream one generation per mode, stop them.
+
+Uses the shipped tiny model when present (models/), else writes a random tiny K2.6-format checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.v1 import generation_pb2 as pb
+from ddtree.v1 import generation_pb2_grpc as pb_grpc
+from service_kit.client import format_final
+from service_kit.launcher import resolve_model
+
+PORTS = {"gateway": 50051, "verifier": 50052, "drafter": 50053}
+SERVICES = {"gateway": "ddtree.v1.Generation", "verifier": "ddtree.internal.v1.Verifier",
+            "drafter": "ddtree.internal.v1.Drafter"}
+PROMPT = "def fibonacci(n):\n"
+
+
+def wait_serving(timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for name, port in PORTS.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=SERVICES[name]), timeout=2)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} not SERVING after {timeout_s}s")
+                time.sleep(0.3)
+        print(f"  {name:8s} SERVING on 127.0.0.1:{port}", file=sys.stderr)
+
+
+def stream(stub, mode: int, budget: int | None = None) -> None:
+    req = pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=48),
+                             speculation=pb.SpeculationParams(mode=mode))
+    if budget is not None:
+        req.speculation.tree_budget = budget
+    print(f"\n--- {pb.SpecMode.Name(mode)} ---\n{PROMPT}", end="")
+    t0 = time.monotonic()
+    for msg in stub.Generate(req, timeout=300):
+        if msg.HasField("chunk"):
+            print(msg.chunk.text, end="", flush=True)
+        else:
+            dt = time.monotonic() - t0
+            print(f"\n{format_final(msg.final)} ({msg.final.usage.completion_tokens / dt:.1f} tok/s)")
+
+
+def main() -> int:
+    model = resolve_model(os.environ.get("DDTREE_MODEL"))
+    print(f"ddtree demo: model {model}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "service_kit.cli", "serve", "--model", str(model),
+           "--gateway-port", str(PORTS["gateway"]), "--verifier-port", str(PORTS["verifier"]),
+           "--drafter-port", str(PORTS["drafter"])]
+    stack = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving()
+        with grpc.insecure_channel(f"127.0.0.1:{PORTS['gateway']}") as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            print(f"serving {info.model_name}: vocab {info.vocab_size}, drafter block {info.drafter_block_size}, "
+                  f"drafters {info.drafter_replicas_healthy}/{info.drafter_replicas}", file=sys.stderr)
+            stream(stub, pb.SPEC_MODE_AR)
+            stream(stub, pb.SPEC_MODE_CHAIN)
+            stream(stub, pb.SPEC_MODE_DDTREE, budget=16)
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(timeout=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

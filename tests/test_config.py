@@ -1,0 +1,53 @@
+"""Service configuration: flags over environment variables over defaults; validation names the field."""
+
+import argparse
+
+import pytest
+
+from service_kit import config as cfg
+from verifier_service.config import VerifierConfig
+
+
+def parse(argv, monkeypatch=None):
+    p = argparse.ArgumentParser()
+    cfg.add_arguments(p, VerifierConfig, "DDTREE_VERIFIER")
+    return cfg.from_namespace(VerifierConfig, p.parse_args(argv))
+
+
+def test_defaults_env_and_flags(monkeypatch):
+    c = parse(["--model", "m"])
+    assert (c.port, c.world_size, c.drafter) == (50052, 1, ())
+    monkeypatch.setenv("DDTREE_VERIFIER_PORT", "6000")
+    monkeypatch.setenv("DDTREE_VERIFIER_DRAFTER", "a:1,b:2")
+    monkeypatch.setenv("DDTREE_VERIFIER_LOG_FORMAT", "console")
+    c = parse(["--model", "m"])
+    assert (c.port, c.drafter, c.log_format) == (6000, ("a:1", "b:2"), "console")
+    c = parse(["--model", "m", "--port", "7000", "--drafter", "x:3"])
+    assert (c.port, c.drafter) == (7000, ("x:3",))
+
+
+def test_bools_and_choices(monkeypatch):
+    with pytest.raises(SystemExit):
+        parse(["--model", "m", "--dtype", "float64"])
+    monkeypatch.setenv("DDTREE_VERIFIER_DEFAULT_MODE", "chain")
+    assert parse(["--model", "m"]).default_mode == "chain"
+
+
+@pytest.mark.parametrize("argv, field", [
+    ([], "model"),
+    (["--model", "m", "--world-size", "0"], "world_size"),
+    (["--model", "m", "--default-tree-budget", "100"], "default_tree_budget"),
+    (["--model", "m", "--port", "70000"], "port"),
+    (["--model", "m", "--world-size", "2", "--gpus", "0"], "gpus"),
+])
+def test_invalid_values_name_the_field(argv, field):
+    with pytest.raises(ValueError, match=field):
+        parse(argv)
+
+
+def test_cli_dry_run_matches_flags(capsys):
+    from service_kit.cli import main
+
+    assert main(["drafter", "--model", "d", "--target-model", "t", "--window", "128", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "window=128" in out and "target_model='t'" in out
