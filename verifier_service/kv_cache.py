@@ -1,0 +1,172 @@
+"""Paged latent KV cache of the target: one tensor allocated once, plus pure-Python page bookkeeping.
+
+Byte layout of `PagedKVCache.kv` (contiguous, allocated once, never resized):
+
+    kv: [num_layers, num_pages, page_size, width]   width = kv_lora_rank + qk_rope_head_dim (576)
+
+- A slot is `page * page_size + offset`; `kv[l].view(-1, width)[slot]` is that token's row in layer l.
+  Byte offset of (layer l, slot s, value i) = ((l * num_pages * page_size + s) * width + i) * itemsize.
+  A page is therefore `page_size * width * itemsize` contiguous bytes per layer (pages of one layer
+  are adjacent; the same page id addresses the same tokens in every layer).
+- Row content: values [0, kv_lora_rank) = the RMSNorm'ed latent ĉ; values [kv_lora_rank, width) = the
+  shared rope key, rotated at the token's absolute position, interleaved-pair layout (DeepSeek / vLLM
+  convention; HF's cache holds the same numbers de-interleaved).
+- bf16 K2.6: 576 · 2 B = 1,152 B per token-layer, 61 layers → 70,272 B per token.
+
+Per session: an ordered page list (its committed tokens: position p lives in page pages[p // page_size]
+at offset p % page_size) and a length. Tree rows of a verify go to the session's scratch pages;
+`commit` copies the accepted path's rows to the session's next positions and frees the scratch.
+Every rank runs the same bookkeeping on the same broadcast plan, so page ids agree across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """The cache has no free page left for the request."""
+
+
+@dataclass
+class _Session:
+    pages: list[int] = field(default_factory=list)  # committed tokens, in position order
+    length: int = 0  # committed tokens
+    scratch_pages: list[int] = field(default_factory=list)
+    scratch_rows: int = 0
+
+
+class PageTable:
+    """Free list + per-session page tables. Pure Python: no tensors, unit-testable anywhere."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
+        self._sessions: dict[Hashable, _Session] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def open(self, sid: Hashable) -> None:
+        if sid in self._sessions:
+            raise KeyError(f"session {sid!r} is already open")
+        self._sessions[sid] = _Session()
+
+    def close(self, sid: Hashable) -> None:
+        """Free every page of the session (committed and scratch)."""
+        s = self._session(sid)
+        self._release(s.pages + s.scratch_pages)
+        del self._sessions[sid]
+
+    def sessions(self) -> list[Hashable]:
+        return list(self._sessions)
+
+    def length(self, sid: Hashable) -> int:
+        return self._session(sid).length
+
+    def pages(self, sid: Hashable) -> list[int]:
+        return list(self._session(sid).pages)
+
+    def slots(self, sid: Hashable, start: int, stop: int) -> list[int]:
+        """Slots of committed-or-reserved positions [start, stop) of the session."""
+        pages, ps = self._session(sid).pages, self.page_size
+        if stop > len(pages) * ps:
+            raise IndexError(f"positions up to {stop} exceed session {sid!r}'s {len(pages)} pages")
+        return [pages[p // ps] * ps + p % ps for p in range(start, stop)]
+
+    def extend(self, sid: Hashable, n: int) -> list[int]:
+        """Append n positions to the session (allocating pages as needed) -> their slots.
+        All-or-nothing: on OutOfPages the session is unchanged."""
+        s = self._session(sid)
+        need = math.ceil((s.length + n) / self.page_size) - len(s.pages)
+        s.pages += self._take(need)
+        start, s.length = s.length, s.length + n
+        return self.slots(sid, start, s.length)
+
+    def scratch(self, sid: Hashable, n: int) -> list[int]:
+        """Fresh scratch slots for n tree rows (any previous scratch of the session is freed first)."""
+        self.release_scratch(sid)
+        s = self._session(sid)
+        s.scratch_pages, s.scratch_rows = self._take(math.ceil(n / self.page_size)), n
+        return self.scratch_slots(sid)
+
+    def scratch_slots(self, sid: Hashable) -> list[int]:
+        s, ps = self._session(sid), self.page_size
+        return [s.scratch_pages[r // ps] * ps + r % ps for r in range(s.scratch_rows)]
+
+    def release_scratch(self, sid: Hashable) -> None:
+        s = self._session(sid)
+        self._release(s.scratch_pages)
+        s.scratch_pages, s.scratch_rows = [], 0
+
+    def plan_commit(self, sid: Hashable, accepted_rows: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Bookkeeping half of `PagedKVCache.commit`: -> (source scratch slots, destination slots).
+        The caller copies, then calls `release_scratch`."""
+        s = self._session(sid)
+        if any(not 0 <= r < s.scratch_rows for r in accepted_rows):
+            raise IndexError(f"accepted rows {list(accepted_rows)} outside the {s.scratch_rows} scratch rows")
+        scratch = self.scratch_slots(sid)
+        src = [scratch[r] for r in accepted_rows]
+        return src, self.extend(sid, len(accepted_rows))
+
+    def _session(self, sid: Hashable) -> _Session:
+        try:
+            return self._sessions[sid]
+        except KeyError:
+            raise KeyError(f"unknown session {sid!r}") from None
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} of {self.num_pages} free")
+        return [self._free.pop() for _ in range(max(n, 0))]
+
+    def _release(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class PagedKVCache:
+    """The cache tensor (see module docstring for the byte layout) + its `PageTable`."""
+
+    def __init__(self, *, num_layers: int, width: int, num_pages: int, page_size: int,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+        self.table = PageTable(num_pages, page_size)
+        self.kv = torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, *, num_layers: int, width: int, page_size: int,
+                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> PagedKVCache:
+        """As many pages as `budget_bytes` holds (a page spans all layers)."""
+        page_bytes = num_layers * page_size * width * torch.finfo(dtype).bits // 8
+        num_pages = budget_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"budget {budget_bytes} B is below one page ({page_bytes} B)")
+        return cls(num_layers=num_layers, width=width, num_pages=num_pages, page_size=page_size,
+                   dtype=dtype, device=device)
+
+    @property
+    def page_size(self) -> int:
+        return self.table.page_size
+
+    def rows(self, slots: Sequence[int]) -> torch.Tensor:
+        """-> [num_layers, len(slots), width] copy of the given slots' rows."""
+        flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])
+        return flat[:, torch.as_tensor(list(slots), dtype=torch.int64, device=self.kv.device)]
+
+    def commit(self, sid: Hashable, accepted_rows: Sequence[int]) -> list[int]:
+        """Copy the accepted scratch rows (path order, root first) into the session's next positions,
+        free the scratch -> destination slots. Scratch pages never alias session pages, so the copy
+        cannot overwrite a source row."""
+        src, dst = self.table.plan_commit(sid, accepted_rows)
+        if src:
+            flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [L, slots, width]
+            idx = lambda s: torch.as_tensor(s, dtype=torch.int64, device=self.kv.device)  # noqa: E731
+            flat[:, idx(dst)] = flat[:, idx(src)]
+        self.table.release_scratch(sid)
+        return dst

@@ -1,0 +1,123 @@
+"""Multi-head latent attention (reference/k26.md §3.3, §3.6), torch reference for both forms.
+
+Head parallelism: `q_b_proj`, `kv_b_proj` and `o_proj` may hold only this rank's heads (rows of the
+first two, columns of o_proj); the local head count is read from the weight shapes. The latent
+projection is full on every rank, so the cached 576-wide rows are identical everywhere. The returned
+output is this rank's partial sum over its heads; the caller all-reduces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from verifier_service.model_config import K2Config
+from verifier_service.plan import KeyGroup
+from verifier_service.rope import apply_rope
+
+# Epsilon of the q/kv latent RMSNorms. DeepSeek's modeling code shipped with the K2 checkpoints and
+# HF transformers construct these norms with their default 1e-6, not config.rms_norm_eps (vLLM uses
+# the latter; at K2.6's latent magnitudes the two agree far below bf16 resolution).
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    """Checkpoint names under `self_attn.`; [out, in] like nn.Linear."""
+
+    q_a_proj: torch.Tensor  # [q_lora_rank, H]
+    q_a_layernorm: torch.Tensor  # [q_lora_rank]
+    q_b_proj: torch.Tensor  # [heads_local * qk_head_dim, q_lora_rank], per head [nope ; rope]
+    kv_a_proj_with_mqa: torch.Tensor  # [kv_lora_rank + qk_rope_head_dim, H]
+    kv_a_layernorm: torch.Tensor  # [kv_lora_rank]
+    kv_b_proj: torch.Tensor  # [heads_local * (qk_nope_head_dim + v_head_dim), kv_lora_rank], per head [W_UK ; W_UV]
+    o_proj: torch.Tensor  # [H, heads_local * v_head_dim]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in fp32, normalized value cast back to x's dtype, then × weight (HF convention)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def mla_project(
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope], latent row [T, kv_lora + rope]."""
+    heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
+    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
+    q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
+    q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q_rope = apply_rope(q_rope, cos[:, None, :], sin[:, None, :])  # [T, h, rope]
+    kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
+    c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c = rms_norm(c, w.kv_a_layernorm, LATENT_NORM_EPS)  # the rope part is not normalized
+    latent = torch.cat([c, apply_rope(k_rope, cos, sin)], dim=-1)  # [T, 576]
+    return q_nope, q_rope, latent
+
+
+def attend_absorbed(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+    w: MLAWeights, cfg: K2Config,
+) -> torch.Tensor:
+    """MQA over latent rows: q_nope [R, h, nope], q_rope [R, h, rope], keys [S, 576], mask [R, S] -> [R, h*v].
+
+    The attention core runs in fp32 whatever the model dtype (kernels accumulate scores and P·V in fp32)."""
+    heads, dtype = q_nope.shape[1], q_nope.dtype
+    c, k_rope = keys.float().split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [S, C], [S, rope]
+    kv_b = w.kv_b_proj.float().view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [h, nope, C], [h, v, C]
+    q_lat = torch.einsum("rhn,hnc->rhc", q_nope.float(), w_uk)  # [R, h, C]
+    scores = torch.einsum("rhc,sc->hrs", q_lat, c) + torch.einsum("rhd,sd->hrs", q_rope.float(), k_rope)
+    probs = _softmax(scores * cfg.softmax_scale, mask)  # [h, R, S] fp32
+    o_lat = torch.einsum("hrs,sc->rhc", probs, c)  # [R, h, C]
+    return torch.einsum("rhc,hvc->rhv", o_lat, w_uv).flatten(1).to(dtype)  # [R, h*v]
+
+
+def attend_explicit(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+    w: MLAWeights, cfg: K2Config,
+) -> torch.Tensor:
+    """Same contract as `attend_absorbed`, decompressing per-head K/V from the latent rows (fp32 core)."""
+    heads, dtype = q_nope.shape[1], q_nope.dtype
+    c, k_rope = keys.float().split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    kv = F.linear(c, w.kv_b_proj.float()).view(keys.shape[0], heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [S, h, nope], [S, h, v]
+    scores = torch.einsum("rhn,shn->hrs", q_nope.float(), k_nope) + torch.einsum("rhd,sd->hrs", q_rope.float(), k_rope)
+    probs = _softmax(scores * cfg.softmax_scale, mask)  # [h, R, S] fp32
+    return torch.einsum("hrs,shv->rhv", probs, v).flatten(1).to(dtype)  # [R, h*v]
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores fp32 [h, R, S]; every row sees at least itself, so no row is fully masked."""
+    return torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+
+
+def mla_forward(
+    x: torch.Tensor,
+    w: MLAWeights,
+    cfg: K2Config,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_layer: torch.Tensor,
+    write_slots: torch.Tensor,
+    groups: Sequence[KeyGroup],
+    explicit: bool,
+) -> torch.Tensor:
+    """x [T, H] -> this rank's partial attention output [T, H] (all-reduce over heads follows).
+
+    kv_layer [num_slots, 576] is one layer's cache viewed flat; rows are written before attention reads.
+    """
+    q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin)
+    kv_layer[write_slots] = latent.to(kv_layer.dtype)
+    attend = attend_explicit if explicit else attend_absorbed
+    heads = q_nope.shape[1]
+    out = x.new_empty(x.shape[0], heads * cfg.v_head_dim)  # [T, h*v]
+    for g in groups:
+        keys = kv_layer[g.key_slots]  # [S, 576]
+        out[g.rows] = attend(q_nope[g.rows], q_rope[g.rows], keys, g.mask, w, cfg)
+    return F.linear(out, w.o_proj)

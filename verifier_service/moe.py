@@ -1,0 +1,123 @@
+"""Dense SwiGLU MLP and the DeepSeek-V3 MoE block (reference/k26.md §3.7, §3.8), torch reference.
+
+Expert parallelism: a rank holds a contiguous range of routed experts (`ExpertStack.first` ..
+`first + count - 1`). Routing is computed on every rank (the router is replicated); tokens routed to
+experts outside the range contribute 0 here, so the ranks' routed outputs sum to the full output.
+`moe_experts_ref` is the signature the fused INT4 MoE kernel will implement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from verifier_service.int4 import Int4Weight, linear
+from verifier_service.model_config import K2Config
+
+ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    """SwiGLU MLP: the dense layers' `mlp.*` and the MoE layers' `mlp.shared_experts.*`."""
+
+    gate_proj: torch.Tensor  # [I, H]
+    up_proj: torch.Tensor  # [I, H]
+    down_proj: torch.Tensor  # [H, I]
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """This rank's routed experts, stacked along dim 0 (global ids first .. first + count - 1)."""
+
+    gate_proj: ExpertMatrix  # [E_local, I, H] logical
+    up_proj: ExpertMatrix  # [E_local, I, H] logical
+    down_proj: ExpertMatrix  # [E_local, H, I] logical
+    first: int  # global id of local expert 0
+
+    @property
+    def count(self) -> int:
+        w = self.gate_proj
+        return (w.packed if isinstance(w, Int4Weight) else w).shape[0]
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    gate: torch.Tensor  # fp32 [n_routed_experts, H] router (kept fp32: logits are computed in fp32)
+    e_score_correction_bias: torch.Tensor  # fp32 [n_routed_experts], used for selection only
+    experts: ExpertStack
+    shared_experts: MLPWeights | None  # [I·n_shared, H] etc.; None when n_shared_experts == 0
+
+
+def mlp(x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
+    """down(silu(gate x) ⊙ up x): [T, H] -> [T, H]."""
+    return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+
+
+def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (topk_ids int64 [T, k] global expert ids, topk_weights fp32 [T, k]).
+
+    sigmoid scores in fp32; bias added for choosing only; group-limited top-k (group score = sum of
+    the group's top-2 biased scores); weights = unbiased scores renormalized × routed_scaling_factor.
+    """
+    scores = F.linear(x.float(), w.gate).sigmoid()  # [T, E]
+    choice = scores + w.e_score_correction_bias  # [T, E]
+    if cfg.n_group > 1:
+        grouped = choice.view(x.shape[0], cfg.n_group, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        kept = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)  # [T, E]
+    topk_ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, topk_ids)  # [T, k]
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return topk_ids, weights * cfg.routed_scaling_factor
+
+
+def moe_experts_ref(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertStack
+) -> torch.Tensor:
+    """Σ_k w_k · E_k(x) over this rank's experts: x [T, H], topk_ids/weights [T, k] -> [T, H] (x's dtype).
+
+    Reference: per local expert with tokens (bincount), dequantize, SwiGLU, weighted scatter-add in fp32.
+    """
+    local = topk_ids - experts.first  # [T, k] local ids; outside [0, count) = another rank's expert
+    owned = (local >= 0) & (local < experts.count)
+    counts = torch.bincount(local[owned], minlength=experts.count).tolist()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok, slot = torch.where(local == e)  # [n] token rows, [n] which of its k choices
+        h = x[tok]  # [n, H]
+        act = F.silu(linear(h, _one(experts.gate_proj, e))) * linear(h, _one(experts.up_proj, e))
+        y = linear(act, _one(experts.down_proj, e))  # [n, H]
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def _one(w: ExpertMatrix, e: int) -> ExpertMatrix:
+    return w.select(e) if isinstance(w, Int4Weight) else w[e]
+
+
+def moe_forward(
+    x: torch.Tensor,
+    w: MoEWeights,
+    cfg: K2Config,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+    on_experts: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """x [T, H] -> routed (summed over ranks) + shared expert, unweighted."""
+    topk_ids, topk_weights = route(x, w, cfg)
+    if on_experts is not None:
+        on_experts(topk_ids)
+    y = all_reduce(moe_experts_ref(x, topk_ids, topk_weights, w.experts))
+    if w.shared_experts is not None:
+        # Replicated shared expert: added after the reduce so it is counted once. When it is split
+        # column/row-parallel (96 GB cards), its partial output moves inside the reduce instead.
+        y = y + mlp(x, w.shared_experts)
+    return y

@@ -1,0 +1,283 @@
+"""Load the target's weights for one rank from an HF safetensors checkpoint (reference/k26.md §2).
+
+- Names with or without the `language_model.` prefix; `vision_tower.*` / `mm_projector.*` skipped;
+  MTP layers (index >= num_hidden_layers) skipped.
+- A linear is INT4 iff `<name>.weight_packed` exists: kept packed (int32 words, bf16 group scales,
+  logical shape). Everything else is cast to the model dtype, except the router (weight and
+  `e_score_correction_bias`), which stays fp32, and dense routed experts, which keep their stored dtype.
+- Every name and header shape is checked against the config before any data is read: missing,
+  unexpected or mis-shaped tensors and unreadable shards raise `CheckpointError` naming them.
+- Lazy: one tensor at a time; a rank reads only its routed experts (`expert_range`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service_kit.checkpoint import CheckpointError, CheckpointIndex
+from service_kit.logs import get_logger
+from verifier_service.int4 import NIBBLES_PER_WORD, Int4Weight
+from verifier_service.mla import MLAWeights
+from verifier_service.model import LayerWeights, TargetWeights
+from verifier_service.model_config import K2Config
+from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
+
+log = get_logger("verifier.weights")
+
+TEXT_PREFIX = "language_model."
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32}
+
+
+def expert_range(n_experts: int, ep_rank: int, ep_size: int) -> range:
+    """Contiguous expert ids of one rank; the first n % size ranks get one more (384 / 7 = 55×6 + 54)."""
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank {ep_rank} outside [0, ep_size={ep_size})")
+    if ep_size > n_experts:
+        raise ValueError(f"ep_size {ep_size} exceeds the {n_experts} routed experts")
+    base, extra = divmod(n_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, extra)
+    return range(start, start + base + (ep_rank < extra))
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+    elapsed_s: float
+
+    @property
+    def rate_bytes_per_s(self) -> float:
+        return self.bytes_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float:
+        rate = self.rate_bytes_per_s
+        return (self.bytes_total - self.bytes_done) / rate if rate > 0 else float("inf")
+
+
+class LogProgress:
+    """Default progress callback: one structured log event every `every_s` seconds, and one at the end."""
+
+    def __init__(self, every_s: float = 5.0, logger=log):
+        self.every_s, self.logger, self._last = every_s, logger, 0.0
+
+    def __call__(self, p: LoadProgress) -> None:
+        done = p.tensors_done == p.tensors_total
+        if not done and p.elapsed_s - self._last < self.every_s:
+            return
+        self._last = p.elapsed_s
+        self.logger.info(
+            "weights_loaded" if done else "loading_weights",
+            tensors=f"{p.tensors_done}/{p.tensors_total}", gb_done=round(p.bytes_done / 1e9, 2),
+            gb_total=round(p.bytes_total / 1e9, 2), mb_per_s=round(p.rate_bytes_per_s / 1e6),
+            eta_s=0.0 if done else round(p.eta_s, 1), elapsed_s=round(p.elapsed_s, 1),
+        )
+
+
+def load_target_weights(
+    model_dir: str | Path,
+    cfg: K2Config | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    progress: Callable[[LoadProgress], None] | None = None,
+) -> TargetWeights:
+    """Validate the checkpoint against `cfg` (default: its own config.json), then load this rank's part."""
+    cfg = cfg if cfg is not None else K2Config.from_json(model_dir)
+    index = CheckpointIndex(model_dir)
+    index.open_all()
+    stored = _canonical_names(index, cfg)
+    packed = ".weight_packed"
+    expected = expected_shapes(cfg, int4_linears={n[: -len(packed)] for n in stored if n.endswith(packed)})
+    _check_names(index, stored, expected)
+    _check_shapes(index, stored, expected)
+    experts = expert_range(cfg.n_routed_experts, ep_rank, ep_size)
+    reader = _Reader(index, stored, torch.device(device), progress or LogProgress())
+    reader.plan([n for n in expected if _wanted(n, experts)])
+    layers = tuple(_layer(reader, cfg, i, experts, dtype) for i in range(cfg.num_hidden_layers))
+    embed = reader.get("model.embed_tokens.weight", dtype)
+    head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", dtype)
+    norm = reader.get("model.norm.weight", dtype)
+    return TargetWeights(embed_tokens=embed, layers=layers, norm=norm, lm_head=head)
+
+
+def expected_shapes(cfg: K2Config, int4_linears: set[str]) -> dict[str, tuple[int, ...]]:
+    """Canonical name (no `language_model.`) -> shape, for every text tensor the config implies.
+    Routed-expert linears in `int4_linears` are expected packed, the others as plain `weight`."""
+    H, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            a + "q_a_proj.weight": (cfg.q_lora_rank, H), a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+            a + "q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+            a + "kv_a_proj_with_mqa.weight": (cfg.kv_cache_width, H), a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+            a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            a + "o_proj.weight": (H, heads * cfg.v_head_dim),
+        })
+        if not cfg.is_moe_layer(i):
+            shapes.update(_mlp_shapes(p + "mlp.", H, cfg.intermediate_size))
+            continue
+        shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, H)
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+        if cfg.n_shared_experts:
+            shapes.update(_mlp_shapes(p + "mlp.shared_experts.", H, cfg.moe_intermediate_size * cfg.n_shared_experts))
+        for e in range(cfg.n_routed_experts):
+            for base, (out, inp) in _expert_linears(p, e, cfg).items():
+                if base in int4_linears:
+                    group = cfg.quantization_config.group_size if cfg.quantization_config else 0
+                    shapes[base + ".weight_packed"] = (out, inp // NIBBLES_PER_WORD)
+                    shapes[base + ".weight_scale"] = (out, inp // group) if group else (out, -1)
+                    shapes[base + ".weight_shape"] = (2,)
+                else:
+                    shapes[base + ".weight"] = (out, inp)
+    return shapes
+
+
+def _mlp_shapes(p: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {p + "gate_proj.weight": (inter, hidden), p + "up_proj.weight": (inter, hidden),
+            p + "down_proj.weight": (hidden, inter)}
+
+
+def _expert_linears(p: str, e: int, cfg: K2Config) -> dict[str, tuple[int, int]]:
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    dims = {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}
+    return {f"{p}mlp.experts.{e}.{proj}": dims[proj] for proj in EXPERT_PROJS}
+
+
+def _canonical_names(index: CheckpointIndex, cfg: K2Config) -> dict[str, str]:
+    """Canonical name -> stored name, without skipped (vision, projector, MTP) tensors."""
+    mtp = tuple(f"model.layers.{cfg.num_hidden_layers + k}." for k in range(cfg.num_nextn_predict_layers))
+    out: dict[str, str] = {}
+    for stored in index.names():
+        name = stored[len(TEXT_PREFIX):] if stored.startswith(TEXT_PREFIX) else stored
+        if name.startswith(SKIPPED_PREFIXES) or (mtp and name.startswith(mtp)):
+            continue
+        if name in out:
+            raise CheckpointError(f"{index.dir}: tensor {name!r} is stored both with and without {TEXT_PREFIX!r}")
+        out[name] = stored
+    return out
+
+
+def _check_names(index: CheckpointIndex, stored: dict[str, str], expected: dict[str, tuple[int, ...]]) -> None:
+    def listing(names: list[str]) -> str:
+        return ", ".join(names[:8]) + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
+
+    missing = sorted(n for n in expected if n not in stored)
+    if missing:
+        raise CheckpointError(f"{index.dir}: missing tensors: {listing(missing)}")
+    extra = sorted(stored[n] for n in stored if n not in expected)
+    if extra:
+        raise CheckpointError(f"{index.dir}: unexpected tensors (not in the config's architecture): {listing(extra)}")
+
+
+def _check_shapes(index: CheckpointIndex, stored: dict[str, str], expected: dict[str, tuple[int, ...]]) -> None:
+    for name, want in expected.items():
+        got = index.shape(stored[name])
+        if len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got)):
+            raise CheckpointError(f"{index.dir}: tensor {stored[name]!r} has shape {list(got)}, "
+                                  f"config implies {[d if d >= 0 else '?' for d in want]}")
+        if name.endswith(".weight_packed") and index.dtype(stored[name]) != "I32":
+            raise CheckpointError(f"{index.dir}: {stored[name]!r} is {index.dtype(stored[name])}, expected I32")
+        if name.endswith(".weight_scale") and want[1] < 0:
+            raise CheckpointError(f"{index.dir}: {stored[name]!r} is INT4 but config.json has no quantization_config")
+
+
+def _wanted(name: str, experts: range) -> bool:
+    """Only this rank's routed experts; everything else is replicated."""
+    if ".mlp.experts." not in name:
+        return True
+    return int(name.split(".mlp.experts.")[1].split(".")[0]) in experts
+
+
+class _Reader:
+    """Reads tensors by canonical name, moves them to the device, reports progress."""
+
+    def __init__(self, index: CheckpointIndex, stored: dict[str, str], device: torch.device,
+                 progress: Callable[[LoadProgress], None]):
+        self.index, self.stored, self.device, self.progress = index, stored, device, progress
+        self.total_tensors = self.total_bytes = self.done_tensors = self.done_bytes = 0
+        self.start = time.monotonic()
+
+    def plan(self, names: list[str]) -> None:
+        self.total_tensors = len(names)
+        self.total_bytes = sum(self.index.nbytes(self.stored[n]) for n in names)
+
+    def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """dtype None keeps the stored dtype."""
+        stored = self.stored[name]
+        t = self.index.read(stored)
+        t = t.to(self.device) if dtype is None else t.to(self.device, dtype)
+        self.done_tensors += 1
+        self.done_bytes += self.index.nbytes(stored)
+        self.progress(LoadProgress(self.done_tensors, self.total_tensors, self.done_bytes,
+                                   self.total_bytes, time.monotonic() - self.start))
+        return t
+
+
+def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, dtype: torch.dtype) -> LayerWeights:
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    attn = MLAWeights(**{k: r.get(a + k + ".weight", dtype) for k in (
+        "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")})
+    if cfg.is_moe_layer(i):
+        shared = _mlp(r, p + "mlp.shared_experts.", dtype) if cfg.n_shared_experts else None
+        mlp: MLPWeights | MoEWeights = MoEWeights(
+            gate=r.get(p + "mlp.gate.weight", torch.float32),
+            e_score_correction_bias=r.get(p + "mlp.gate.e_score_correction_bias", torch.float32),
+            experts=_experts(r, p, cfg, experts),
+            shared_experts=shared,
+        )
+    else:
+        mlp = _mlp(r, p + "mlp.", dtype)
+    return LayerWeights(
+        input_layernorm=r.get(p + "input_layernorm.weight", dtype),
+        self_attn=attn,
+        post_attention_layernorm=r.get(p + "post_attention_layernorm.weight", dtype),
+        mlp=mlp,
+    )
+
+
+def _mlp(r: _Reader, p: str, dtype: torch.dtype) -> MLPWeights:
+    return MLPWeights(*(r.get(f"{p}{k}.weight", dtype) for k in EXPERT_PROJS))
+
+
+def _experts(r: _Reader, p: str, cfg: K2Config, experts: range) -> ExpertStack:
+    """Stack this rank's experts per projection into preallocated [E_local, ...] tensors."""
+    stacks = {}
+    for proj in EXPERT_PROJS:
+        base = f"{p}mlp.experts.{experts.start}.{proj}"
+        int4 = base + ".weight_packed" in r.stored
+        parts = (".weight_packed", ".weight_scale") if int4 else (".weight",)
+        bufs = [torch.empty(len(experts), *r.index.shape(r.stored[base + s]),
+                            dtype=_TORCH_DTYPES[r.index.dtype(r.stored[base + s])], device=r.device) for s in parts]
+        for j, e in enumerate(experts):
+            eb = f"{p}mlp.experts.{e}.{proj}"
+            for buf, s in zip(bufs, parts):
+                buf[j] = r.get(eb + s, None)
+            if int4:
+                _check_logical_shape(r, eb, _expert_linears(p, e, cfg)[eb])
+        stacks[proj] = Int4Weight(bufs[0], bufs[1], _expert_linears(p, experts.start, cfg)[base]) if int4 else bufs[0]
+    return ExpertStack(**stacks, first=experts.start)
+
+
+def _check_logical_shape(r: _Reader, base: str, want: tuple[int, int]) -> None:
+    got = tuple(int(v) for v in r.get(base + ".weight_shape", None).tolist())
+    if got != want:
+        raise CheckpointError(f"{r.index.dir}: {r.stored[base + '.weight_shape']!r} holds {list(got)}, "
+                              f"config implies {list(want)}")
