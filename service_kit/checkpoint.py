@@ -25,8 +25,8 @@ class CheckpointIndex:
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
+        self._handles: dict[str, object] = {}  # before the weight map: a single-file checkpoint opens itself
         self.weight_map = self._read_weight_map()
-        self._handles: dict[str, object] = {}
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.dir / INDEX_FILE

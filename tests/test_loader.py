@@ -236,3 +236,15 @@ def test_tiny_checkpoint_is_deterministic(tmp_path):
     assert (a / shards[0]).read_bytes() != (c / shards[0]).read_bytes()
     raw = json.loads((a / "config.json").read_text())
     assert raw["model_type"] == "kimi_k25" and raw["text_config"]["model_type"] == "kimi_k2"
+
+
+def test_single_file_checkpoint_without_index(tmp_path):
+    """Released DFlash drafters ship one model.safetensors and no index."""
+    from safetensors.torch import save_file
+
+    from service_kit.checkpoint import CheckpointIndex
+
+    save_file({"a.weight": torch.ones(2, 3), "b": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    idx = CheckpointIndex(tmp_path)
+    assert idx.names() == ["a.weight", "b"]
+    assert torch.equal(idx.read("a.weight"), torch.ones(2, 3))

@@ -1,0 +1,68 @@
+"""Drafter KV pool: the injected context K/V of every session, allocated once from a byte budget.
+
+Layout (contract for the future CUDA attention kernel):
+  k, v: [num_layers, num_pages * page_size, num_kv_heads, head_dim] in the model dtype.
+  A flat slot = page * page_size + offset holds one context row: K after k_norm and RoPE at the row's absolute
+  position, V as projected. Which slots belong to which session and position is sessions.SessionTable's job.
+Block K/V never enters the pool (reference/ddtree.md P12): the block's own keys are concatenated per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .sessions import InjectPlan
+
+
+def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one page: K and V rows for every layer."""
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        # Zero-filled so that padded (masked) slots are finite: masked attention weights are exactly 0, and
+        # 0 · finite = 0 keeps them out of the output.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots [n] int64; k, v [layers, n, nkv, hd]."""
+        self.k[:, slots] = k.to(self.k.dtype)
+        self.v[:, slots] = v.to(self.v.dtype)
+
+    def gather(self, layer: int, slot_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot_table [B, Lc] int64 → K, V [B, Lc, nkv, hd] of one layer."""
+        return self.k[layer][slot_table], self.v[layer][slot_table]
+
+
+@dataclass(frozen=True)
+class ContextBatch:
+    """The context keys a batch of blocks attends to, padded to the longest page table."""
+    slots: torch.Tensor  # [B, Lc] int64 pool slots (padding points at slot 0..P-1 and is masked)
+    positions: torch.Tensor  # [B, Lc] int64 absolute position of each slot
+    valid: torch.Tensor  # [B, Lc] bool: inside the session's window and already injected
+
+
+def context_batch(plans: Sequence[InjectPlan], page_size: int, device: torch.device) -> ContextBatch:
+    max_pages = max(len(p.pages) for p in plans)
+    page_table = torch.zeros(len(plans), max_pages, dtype=torch.int64)
+    for b, plan in enumerate(plans):
+        page_table[b, : len(plan.pages)] = torch.tensor(plan.pages, dtype=torch.int64)
+    meta = torch.tensor([[p.first_pos, p.visible_from, p.length] for p in plans], dtype=torch.int64)
+    page_table, meta = page_table.to(device), meta.to(device)
+    offsets = torch.arange(page_size, device=device)
+    slots = (page_table[:, :, None] * page_size + offsets).flatten(1)  # [B, max_pages * P]
+    positions = meta[:, :1] + torch.arange(slots.shape[1], device=device)  # pages are position-contiguous
+    valid = (positions >= meta[:, 1:2]) & (positions < meta[:, 2:3])  # padding pages lie past `length`
+    return ContextBatch(slots, positions, valid)
