@@ -29,7 +29,33 @@ def _make_tiny_cmd(args) -> int:
     return 0
 
 
+def _health_cmd(args) -> int:
+    """Exit 0 iff the service reports SERVING (used by container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            r = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s)
+        except grpc.RpcError as e:
+            print(f"{args.address} {args.service!r}: {e.code().name}", file=sys.stderr)
+            return 1
+    serving = r.status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{args.address} {args.service!r}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
+    return 0 if serving else 1
+
+
 def add_parsers(sub) -> None:
+    from kernels import cli as kernels_cli  # light import: no torch until a kernels command runs
+
+    kernels_cli.add_parser(sub)
+    p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 iff SERVING)")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--service", default="", help="e.g. ddtree.v1.Generation ('' = process liveness)")
+    p.add_argument("--timeout-s", type=float, default=3.0)
+    p.set_defaults(func=_health_cmd)
+
     p = sub.add_parser("make-tiny", help="write a small random checkpoint in the K2.6 on-disk format")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)

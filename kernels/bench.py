@@ -1,0 +1,250 @@
+"""`ddtree bench kernels --preset k26`: every kernel against its torch reference at K2.6 sizes.
+
+Also home of the random-input builders the GPU tests share (K2.6-shaped experts, paged MLA batches).
+Times are medians of CUDA-graph replays timed with events (host launch cost excluded); bytes are the
+fewest each kernel must move (packed weights + scales of the experts it touches, keys once, inputs
+and outputs); the copy ceiling is a 2 GiB device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+K26 = dict(H=7168, I=2048, E_LOCAL=55, TOPK=8, HEADS=64, HEADS_RANK=10, LAYERS=61, PAGE=64)
+
+
+@dataclass(frozen=True)
+class Int4:  # what moe_w4a16 reads of verifier_service.int4.Int4Weight
+    packed: torch.Tensor  # int32 [E, out, in/8]
+    scale: torch.Tensor  # bf16 [E, out, in/32]
+
+
+@dataclass(frozen=True)
+class Experts:  # what moe_w4a16 reads of verifier_service.moe.ExpertStack
+    gate_proj: Int4
+    up_proj: Int4
+    down_proj: Int4
+    first: int
+
+
+def random_experts(E: int, H: int, I: int, first: int = 0, device="cuda", seed: int = 0) -> Experts:
+    """Uniform random nibbles (q = -8 included), scales in [0.004, 0.02): outputs of order 1."""
+    g = torch.Generator(device).manual_seed(seed)
+
+    def mat(out: int, inp: int) -> Int4:
+        packed = torch.randint(-2**31, 2**31, (E, out, inp // 8), generator=g, device=device, dtype=torch.int64)
+        scale = torch.rand(E, out, inp // 32, generator=g, device=device) * 0.016 + 0.004
+        return Int4(packed.to(torch.int32), scale.to(torch.bfloat16))
+
+    return Experts(mat(I, H), mat(I, H), mat(H, I), first)
+
+
+def spread_routing(T: int, k: int, active: int, E: int, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs spread round-robin over local experts 0..active-1 (slot s of token t -> (t*k+s) % active);
+    with active < k the extra slots route to other ranks' experts (ids >= E)."""
+    t, s = torch.meshgrid(torch.arange(T, device=device), torch.arange(k, device=device), indexing="ij")
+    ids = (t * k + s) % active if active >= k else torch.where(s < active, s, E + s)
+    return ids.contiguous(), torch.rand(T, k, device=device).contiguous()
+
+
+def mla_case(rows: list[int], prefixes: list[int], heads: int, page_size: int, device="cuda", seed: int = 0):
+    """A paged batch in BatchPlan layout: random trees, shuffled pages, NaN in every unwritten slot,
+    a huge page id in unused page-table entries. -> the positional arguments of mla_tree_attention."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(p / page_size) for p in prefixes] + [math.ceil(r / page_size) for r in rows]
+    num_pages = sum(need) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    kv = torch.full((num_pages, page_size, 576), float("nan"), dtype=torch.bfloat16)
+    flat = kv.view(-1, 576)
+    width = max([math.ceil(p / page_size) for p in prefixes] + [1])
+    table = torch.full((len(rows), width), 1 << 30, dtype=torch.int64)
+    masks, slots = [], []
+    for b, (n, prefix) in enumerate(zip(rows, prefixes)):
+        pages, scratch = perm[: need[b]], perm[need[b]: need[b] + need[len(rows) + b]]
+        del perm[: need[b] + need[len(rows) + b]]
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        pos = torch.arange(prefix)
+        prefix_slots = table[b, pos // page_size] * page_size + pos % page_size
+        flat[prefix_slots] = torch.randn(prefix, 576, generator=g).bfloat16()
+        row_slots = [scratch[r // page_size] * page_size + r % page_size for r in range(n)]
+        flat[row_slots] = torch.randn(n, 576, generator=g).bfloat16()
+        slots += row_slots
+        for i in range(n):  # row i hangs under a random earlier row: ancestors + itself visible
+            parent = int(torch.randint(0, i, (1,), generator=g)) if i else -1
+            masks.append((list(masks[len(masks) - i + parent]) if i else [False] * max(rows)))
+            masks[-1][i] = True
+    T = sum(rows)
+    q = torch.randn(T, heads, 576, generator=g).bfloat16()
+    row_starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int64)
+    args = (q, kv, table, torch.tensor(prefixes, dtype=torch.int64), row_starts,
+            torch.tensor(masks, dtype=torch.bool).view(T, max(rows)), torch.tensor(slots, dtype=torch.int64))
+    return tuple(a.to(device) for a in args)
+
+
+def gpu_time(calls: list, reps: int = 20, graph: bool = True) -> float:
+    """Median seconds per call. The calls (e.g. the same kernel on rotating inputs, so that nothing is
+    served from L2) are captured back to back in one CUDA graph and its replays timed with events:
+    one ~10 us graph-launch gap is then spread over all of them."""
+    def run_all():
+        for c in calls:
+            c()
+
+    run_all()
+    torch.cuda.synchronize()
+    run = run_all
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run_all()
+            run = g.replay
+        except Exception as e:  # timing still works without the graph, launch gaps included
+            print(f"# graph capture failed ({e!r}); timing plain calls")
+            torch.cuda.synchronize()
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / len(calls)
+
+
+def kernel_breakdown(fn) -> str:
+    """Per-kernel device time of one call, from the torch profiler: 'name us, ...'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return ", ".join(f"{e.name.split('(')[0][:24]} {e.device_time:.1f}" for e in events)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = gpu_time([lambda: b.copy_(a)], reps=10, graph=False)
+    return 2 * a.numel() / t
+
+
+def _row(kernel: str, case: str, t: float, nbytes: float, copy_bw: float, t_ref: float | None,
+         flops: float = 0.0) -> dict:
+    return dict(kernel=kernel, case=case, us=t * 1e6, MB=nbytes / 1e6, GBs=nbytes / t / 1e9,
+                copy_frac=nbytes / t / copy_bw, TFLOPs=flops / t / 1e12,
+                ref_us=None if t_ref is None else t_ref * 1e6)
+
+
+def bench_moe(copy_bw: float) -> list[dict]:
+    from kernels import moe_w4a16 as moe
+    from kernels.moe_w4a16 import moe_w4a16_ref
+
+    H, I, E, k = K26["H"], K26["I"], K26["E_LOCAL"], K26["TOPK"]
+    experts = random_experts(E, H, I)
+    mats = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    per_expert = sum(w.packed.nbytes + w.scale.nbytes for w in mats) / E  # bytes one expert streams
+    rows = []
+    for active, n in ((1, 1), (3, 1), (8, 1), (8, 4), (8, 16), (16, 2), (55, 1), (55, 4), (55, 8), (55, 16)):
+        T = n if active < k else math.ceil(active * n / k)
+        ids, w = spread_routing(T, k, active, E)
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        used = int(ids[ids < E].unique().numel())
+        # rotate the experts between calls so a small working set is never re-read from L2
+        shifted = [torch.where(ids < E, (ids + r * active) % E, ids) for r in range(max(1, min(6, E // active)))]
+        t_ref = gpu_time([lambda: moe_w4a16_ref(x, ids, w, experts)], reps=3, graph=False)
+        for warps in (8, 4):  # K split of the gate/up blocks
+            moe.GATE_UP_WARPS = warps
+            t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
+            row = _row("moe_w4a16", f"T={T} experts={used} tok/exp={T * k // max(used, 1) if active >= k else n} "
+                       f"w={warps}", t, used * per_expert + 2 * x.nbytes, copy_bw, t_ref)
+            if warps == 8 and (active in (1, 8) or n == 16):
+                row["breakdown_us"] = kernel_breakdown(lambda: moe.moe_w4a16(x, ids, w, experts))
+            rows.append(row)
+        moe.GATE_UP_WARPS = None
+    return rows
+
+
+def bench_mla(copy_bw: float) -> list[dict]:
+    from kernels import mla_tree_attention as mla
+
+    rows, scale = [], 0.14467963
+    cases = ((10, 1, 4096), (10, 16, 4096), (10, 64, 4096), (10, 16, 32768), (10, 64, 32768),
+             (64, 1, 4096), (64, 16, 4096), (64, 64, 8192))
+    for heads, n, prefix in cases:
+        copies = [mla_case([n], [prefix], heads, K26["PAGE"], seed=i) for i in range(4)]  # rotate: defeat L2
+        keys = prefix + n
+        flops = 2 * n * heads * keys * (576 + 512)
+        nbytes = keys * 1152 + n * heads * (576 + 512) * 2
+        t_ref = gpu_time([lambda: mla.mla_tree_attention_ref(*copies[0], scale)], reps=3, graph=False)
+        for ring in (1, 2):  # one key buffer (2 blocks/SM) vs a 2-deep ring (1 block/SM)
+            mla.RING = ring
+            t = gpu_time([lambda c=c: mla.mla_tree_attention(*c, scale) for c in copies])
+            rows.append(_row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} ring={ring}", t, nbytes,
+                             copy_bw, t_ref, flops))
+        mla.RING = 1
+    return rows
+
+
+def bench_small(copy_bw: float) -> list[dict]:
+    from kernels.kv_commit import kv_commit, kv_commit_ref
+    from kernels.tree_accept import tree_accept, tree_accept_ref
+
+    rows = []
+    kv = torch.randn(K26["LAYERS"], 512, K26["PAGE"], 576, device="cuda").bfloat16()
+    for n in (1, 8, 64):
+        src = [torch.arange(n, device="cuda") + (100 + 2 * r) * K26["PAGE"] for r in range(20)]
+        dst = [torch.arange(n, device="cuda") + (300 + 2 * r) * K26["PAGE"] for r in range(20)]
+        nbytes = 2 * K26["LAYERS"] * n * 576 * 2
+        t = gpu_time([lambda s=s, d=d: kv_commit(kv, s, d) for s, d in zip(src, dst)])
+        t_ref = gpu_time([lambda: kv_commit_ref(kv, src[0], dst[0])], graph=False)
+        rows.append(_row("kv_commit", f"rows={n} layers={K26['LAYERS']}", t, nbytes, copy_bw, t_ref))
+    from kernels.ddtree_build import ddtree_build, ddtree_build_ref
+
+    for S, k, budget in ((1, 8, 16), (1, 16, 64), (8, 8, 16)):
+        logits = torch.randn(S, 15, 163840, device="cuda").bfloat16()  # block 16: depths 1..15
+        t = gpu_time([lambda: ddtree_build(logits, k, budget)] * 5)
+        t_ref = gpu_time([lambda: ddtree_build_ref(logits, k, budget)], reps=3, graph=False)
+        case = f"sessions={S} depth=15 k={k} budget={budget}"
+        rows.append(_row("ddtree_build", case, t, logits.nbytes, copy_bw, t_ref))
+    for S, N in ((1, 16), (8, 64)):
+        parents = torch.stack([torch.arange(N) // 2 for _ in range(S)]).cuda()  # binary-ish tree
+        tokens = torch.randint(0, 4, (S, N), device="cuda")
+        target = torch.randint(0, 4, (S, N + 1), device="cuda")
+        t = gpu_time([lambda: tree_accept(tokens, parents, target)] * 20)
+        t_ref = gpu_time([lambda: tree_accept_ref(tokens, parents, target)], reps=3, graph=False)
+        rows.append(_row("tree_accept", f"sessions={S} nodes={N}", t, tokens.nbytes * 3, copy_bw, t_ref))
+    return rows
+
+
+def main(preset: str = "k26", out: str | None = None) -> int:
+    assert preset == "k26" and torch.cuda.is_available(), "needs a CUDA GPU"
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    rows = []
+    for bench in (bench_moe, bench_mla, bench_small):
+        rows += bench(bw)
+    print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
+          f"{'ref us':>10} {'x ref':>6}")
+    for r in rows:
+        ref = r["ref_us"]
+        print(f"{r['kernel']:<20} {r['case']:<44} {r['us']:>9.1f} {r['MB']:>9.2f} {r['GBs']:>7.0f} "
+              f"{100 * r['copy_frac']:>5.0f}% {r['TFLOPs']:>8.1f} {ref:>10.1f} {ref / r['us']:>6.1f}")
+    for r in rows:
+        if "breakdown_us" in r:
+            print(f"# {r['kernel']} {r['case']}: {r['breakdown_us']}")
+    if out:
+        with open(out, "w") as f:
+            f.writelines(json.dumps(dict(r, copy_GBs=bw / 1e9, gpu=torch.cuda.get_device_name())) + "\n" for r in rows)
+    return 0

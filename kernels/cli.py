@@ -1,0 +1,64 @@
+"""`ddtree kernels check` (compile every kernel with NVRTC, no GPU needed; print registers, static
+shared memory, stack and spills) and `ddtree bench kernels` (kernels/bench.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+MODULES = ("moe_w4a16", "mla_tree_attention", "ddtree_build", "tree_accept", "kv_commit")
+
+
+def check(archs: list[str]) -> int:
+    from kernels._compile import compile_cubin, cuda_source, nvrtc_version, resources
+
+    print(f"NVRTC {'.'.join(map(str, nvrtc_version()))}")
+    print(f"{'kernel':<44} {'arch':<7} {'regs':>5} {'smem':>6} {'stack':>6} {'spill st/ld':>12}")
+    spilled = []
+    for name in MODULES:
+        mod = importlib.import_module(f"kernels.{name}")
+        for arch in archs:
+            report = resources(compile_cubin(cuda_source(mod.CODE), arch, mod.NAMES))
+            for expr in mod.NAMES:
+                r = report[expr]
+                print(f"{name + ':' + expr:<44} {arch:<7} {r['regs']:>5} {r['smem']:>6} {r['stack']:>6} "
+                      f"{r['spill_st']:>6}/{r['spill_ld']:<5}")
+                if r["spill_st"] or r["spill_ld"]:
+                    spilled.append(f"{name}:{expr} on {arch}")
+    if spilled:
+        print("spills (local-memory traffic): " + ", ".join(spilled))
+    return 0
+
+
+def _check_cmd(args) -> int:
+    return check(args.arch or ["sm_90", "sm_120"])
+
+
+def _bench_cmd(args) -> int:
+    from kernels import bench
+
+    return bench.main(args.preset, args.out)
+
+
+def add_parser(sub) -> None:
+    """Register `kernels` and `bench` on the `ddtree` subcommand parser."""
+    p = sub.add_parser("kernels", help="CUDA kernel tools")
+    ksub = p.add_subparsers(dest="kernels_command", required=True)
+    c = ksub.add_parser("check", help="compile every kernel with NVRTC and print resource usage")
+    c.add_argument("--arch", action="append", help="sm_90, sm_120, ... (repeatable; default both)")
+    c.set_defaults(func=_check_cmd)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bk = bsub.add_parser("kernels", help="time every kernel against its torch reference on the GPU")
+    bk.add_argument("--preset", default="k26", choices=["k26"])
+    bk.add_argument("--out", help="also write the table as JSON lines here")
+    bk.set_defaults(func=_bench_cmd)
+
+
+if __name__ == "__main__":  # python -m kernels.cli check ... without the ddtree entry point
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kernels")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args()
+    sys.exit(int(args.func(args) or 0))

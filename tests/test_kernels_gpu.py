@@ -1,0 +1,162 @@
+"""GPU: every kernel against its torch reference on adversarial sizes (odd token counts, shuffled
+page tables, NaN in unwritten cache slots, experts of other ranks, one expert taking every token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.bench import mla_case, random_experts
+from kernels.ddtree_build import (ddtree_build, ddtree_build_ref, ddtree_topk, ddtree_topk_ref, ddtree_tree,
+                                  ddtree_tree_ref)
+from kernels.kv_commit import kv_commit, kv_commit_ref
+from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
+from kernels.moe_w4a16 import moe_w4a16, moe_w4a16_ref
+from kernels.tree_accept import tree_accept, tree_accept_ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _sync_every_launch(monkeypatch):
+    monkeypatch.setenv("DDTREE_KERNEL_SYNC", "1")  # a device fault fails the launching test
+
+
+def poison_allocator() -> None:
+    """Leave NaN in torch's cached blocks so a kernel output it never writes shows up."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, cos: float) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.double(), ref.double()
+    assert torch.isfinite(o).all(), f"non-finite output at {torch.nonzero(~torch.isfinite(o))[:5].tolist()}"
+    err = (o - r).norm() / r.norm()
+    similarity = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0)
+    worst = (o - r).abs().argmax()
+    idx = torch.unravel_index(worst, o.shape)
+    assert err < rel and similarity > cos, (
+        f"rel {err:.2e} cos {similarity:.8f}; worst at {[int(i) for i in idx]}: {o[idx]:.5f} vs {r[idx]:.5f}")
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 63])
+@pytest.mark.parametrize("H,I", [(512, 256), (7168, 2048)])
+def test_moe_w4a16(T, H, I):
+    E, first, k = 12, 5, 8
+    experts = random_experts(E, H, I, first=first, seed=T)
+    g = torch.Generator("cuda").manual_seed(T)
+    ids = torch.stack([torch.randperm(24, generator=g, device="cuda")[:k] for _ in range(T)])  # some not ours
+    w = torch.rand(T, k, generator=g, device="cuda")
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    poison_allocator()
+    out = moe_w4a16(x, ids, w, experts)
+    # bf16 act and output against an fp32 reference: ~3e-3 relative; cosine catches a wrong group/nibble.
+    assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("T", [1, 17, 63])
+def test_moe_w4a16_one_expert_takes_all(T):
+    """n tokens on one expert: several token passes per weight tile; unowned tokens must be 0."""
+    experts = random_experts(4, 512, 256, first=0, seed=1)
+    ids = torch.full((T, 8), 100, device="cuda")  # other ranks' experts...
+    ids[:, 3] = 2  # ...except slot 3 of every token
+    ids[0] = 100  # token 0: nothing local -> exact zeros
+    w = torch.rand(T, 8, device="cuda")
+    x = torch.randn(T, 512, device="cuda").bfloat16()
+    poison_allocator()
+    out = moe_w4a16(x, ids, w, experts)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    if T > 1:
+        assert_close(out[1:], moe_w4a16_ref(x, ids, w, experts)[1:], rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("rows,prefixes,heads,page_size", [
+    ([1], [0], 10, 64),  # first token: only itself
+    ([3], [5], 1, 16),
+    ([17], [1000], 10, 64),
+    ([1, 3, 17], [5, 300, 4097], 10, 16),
+    ([63, 2], [2000, 33], 9, 64),
+    ([64] * 4, [130, 64, 700, 1], 64, 64),  # many query blocks: single split, direct bf16 output
+    ([16], [20000], 64, 64),  # long prefix: many splits, LSE merge
+])
+def test_mla_tree_attention(rows, prefixes, heads, page_size):
+    args = mla_case(rows, prefixes, heads, page_size, seed=sum(rows))
+    poison_allocator()
+    out = mla_tree_attention(*args, 0.14467963)
+    ref = mla_tree_attention_ref(*args, 0.14467963)
+    # bf16 P and output, fp32 softmax: FlashMLA-style bounds.
+    assert_close(out, ref, rel=1e-2, cos=0.99995)
+
+
+@pytest.mark.parametrize("S,N", [(1, 1), (3, 17), (5, 63), (2, 300)])
+def test_tree_accept(S, N):
+    g = torch.Generator().manual_seed(N)
+    parents = torch.stack([torch.tensor([int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N + 1)])
+                           for _ in range(S)])
+    parents[:, N - N // 4:] = -1  # padding nodes: never children
+    tokens = torch.randint(0, 3, (S, N), generator=g)  # few distinct tokens: duplicate children, long walks
+    target = torch.randint(0, 3, (S, N + 1), generator=g)
+    out = tree_accept(tokens.cuda(), parents.cuda(), target.cuda())
+    for got, want in zip(out, tree_accept_ref(tokens, parents, target)):
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 63])
+def test_kv_commit(n):
+    kv = torch.randn(5, 40, 16, 576, device="cuda").bfloat16()
+    perm = torch.randperm(40 * 16, device="cuda")
+    src, dst = perm[:n].contiguous(), perm[n: 2 * n].contiguous()
+    want = kv.clone()
+    kv_commit_ref(want, src, dst)
+    kv_commit(kv, src, dst)
+    assert torch.equal(kv, want)  # data movement: bit-exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,L,V,k", [(1, 1, 1, 1), (1, 7, 163840, 8), (3, 15, 163840, 64), (2, 3, 1000, 17)])
+def test_ddtree_topk(S, L, V, k, dtype):
+    logits = (torch.randn(S, L, V, device="cuda") * 4).to(dtype)
+    if dtype == torch.bfloat16:
+        logits[0, 0, ::7] = logits[0, 0].max()  # thousands of exact ties at the top: lower ids must win
+    ids, lps = ddtree_topk(logits, k)
+    want_ids, want_lps = ddtree_topk_ref(logits, k)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(lps, want_lps, atol=1e-5, rtol=1e-5)  # fp32 log-sum-exp, other summation order
+
+
+@pytest.mark.parametrize("S,L,k,budget",
+                         [(1, 1, 1, 1), (2, 7, 4, 16), (3, 15, 8, 64), (1, 2, 3, 50), (4, 16, 64, 1024)])
+def test_ddtree_tree(S, L, k, budget):
+    logits = torch.randn(S, L, 5000, device="cuda") * 3
+    ids, lps = ddtree_topk_ref(logits, k)
+    lps[0, 0, 1:] = lps[0, 0, 0]  # equal scores: depth, then rank path, must break the ties
+    for got, want in zip(ddtree_tree(ids.contiguous(), lps.contiguous(), budget), ddtree_tree_ref(ids, lps, budget)):
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_ddtree_build_end_to_end():
+    torch.manual_seed(0)  # a near-tie of two fp64 scores below the fp32 log-prob noise would be a false alarm
+    logits = torch.randn(2, 7, 163840, device="cuda") * 5
+    for got, want in zip(ddtree_build(logits, 8, 32), ddtree_build_ref(logits, 8, 32)):
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_moe_and_mla_replay_in_cuda_graph():
+    """Launchers are graph-safe: capture once, change the inputs in place, replay."""
+    experts = random_experts(8, 512, 256, seed=3)
+    ids = torch.randint(0, 8, (5, 8), device="cuda")
+    w, x = torch.rand(5, 8, device="cuda"), torch.randn(5, 512, device="cuda").bfloat16()
+    args = list(mla_case([9, 4], [300, 70], 10, 16, seed=4))
+    moe_w4a16(x, ids, w, experts), mla_tree_attention(*args, 0.1)  # compile and load outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        moe_out = moe_w4a16(x, ids, w, experts)
+        mla_out = mla_tree_attention(*args, 0.1)
+    ids.copy_(torch.randint(0, 8, (5, 8), device="cuda"))
+    x.copy_(torch.randn(5, 512, device="cuda").bfloat16())
+    args[0].copy_(torch.randn_like(args[0]))
+    args[3].sub_(torch.tensor([17, 1], device="cuda"))  # shorter prefixes, same page tables
+    g.replay()
+    assert_close(moe_out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
+    assert_close(mla_out, mla_tree_attention_ref(*args, 0.1), rel=1e-2, cos=0.99995)

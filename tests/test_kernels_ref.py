@@ -1,0 +1,99 @@
+"""CPU: each kernel's torch reference computes what the model's own reference computes, so the
+model can swap one for the other with a flag (the GPU tests then hold each kernel to its reference)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from drafter_service.tree import build_tree, topk_logprobs
+from kernels.bench import mla_case, random_experts, spread_routing
+from kernels.ddtree_build import ddtree_topk_ref, ddtree_tree_ref
+from kernels.kv_commit import kv_commit_ref
+from kernels.mla_tree_attention import mla_tree_attention_ref
+from kernels.moe_w4a16 import moe_w4a16_ref
+from kernels.tree_accept import tree_accept_ref
+from verifier_service.acceptance import walk_tree
+from verifier_service.int4 import Int4Weight
+from verifier_service.kv_cache import PagedKVCache
+from verifier_service.mla import MLAWeights, attend_absorbed
+from verifier_service.moe import ExpertStack, moe_experts_ref
+from verifier_service.plan import SeqRows, build_plan, key_groups
+
+
+def test_moe_ref_matches_model_reference():
+    E, H, I = 6, 256, 128
+    ex = random_experts(E, H, I, first=3, device="cpu")
+    stack = ExpertStack(*(Int4Weight(w.packed, w.scale, (w.packed.shape[1], w.scale.shape[2] * 32))
+                          for w in (ex.gate_proj, ex.up_proj, ex.down_proj)), first=3)
+    ids, w = spread_routing(5, 4, 6, E, device="cpu")
+    ids = ids + 1  # ids 1..6: expert ids 1, 2 belong to another rank
+    x = torch.randn(5, H).bfloat16()
+    ours, model = moe_w4a16_ref(x, ids, w, ex), moe_experts_ref(x, ids, w, stack)
+    # the model's reference rounds dequantized weights and activations to bf16; ours stays fp32
+    assert ((ours.float() - model.float()).norm() / model.float().norm()) < 2e-2
+
+
+def test_mla_ref_matches_attend_absorbed():
+    rows, prefixes, heads, ps = [3, 5], [7, 20], 2, 4
+    q, kv, table, prefix_lens, starts, mask, slots = mla_case(rows, prefixes, heads, ps, device="cpu")
+    cfg = types.SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=512, v_head_dim=512,
+                                softmax_scale=0.1)
+    eye = torch.eye(512).repeat(heads, 2, 1)  # W_UK = W_UV = I: q_lat = q_nope, output = o_lat
+    w = MLAWeights(*[None] * 5, kv_b_proj=eye, o_proj=None)
+    seqs = [SeqRows([0] * n, [int(p) for p in _parents(mask[s:s + n, :n])], pre, table[b].tolist(),
+                    slots[s:s + n].tolist()) for b, (n, pre, s) in enumerate(zip(rows, prefixes, starts.tolist()))]
+    plan = build_plan(seqs)
+    assert torch.equal(plan.tree_mask, mask)
+    flat = kv.view(-1, 576).float().nan_to_num()
+    got = mla_tree_attention_ref(q, kv, table, prefix_lens, starts, mask, slots, 0.1).float()
+    for gr in key_groups(plan, ps):
+        want = attend_absorbed(q[gr.rows, :, :512].float(), q[gr.rows, :, 512:].float(), flat[gr.key_slots],
+                               gr.mask, w, cfg)
+        assert torch.allclose(got[gr.rows].flatten(1), want, atol=2e-2, rtol=1e-2)
+
+
+def _parents(mask: torch.Tensor) -> list[int]:
+    """Tree mask rows (ancestors + self) -> parent of each row (-1 for the root)."""
+    return [max((j for j in range(i) if mask[i, j]), default=-1) for i in range(mask.shape[0])]
+
+
+def test_tree_accept_ref_matches_walk_tree():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        parents = [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
+        tokens = torch.randint(0, 3, (n,), generator=g).tolist()
+        target = torch.randint(0, 3, (n + 1,), generator=g).tolist()
+        walk = walk_tree(tokens, parents, target)
+        acc, emi, num = tree_accept_ref(torch.tensor([tokens]), torch.tensor([parents]), torch.tensor([target]))
+        assert acc[0, : num[0]].tolist() == walk.accepted_rows and emi[0, : num[0]].tolist() == walk.tokens
+
+
+def test_kv_commit_ref_matches_paged_cache_commit():
+    cache = PagedKVCache(num_layers=3, width=16, num_pages=8, page_size=4)
+    cache.kv.copy_(torch.randn_like(cache.kv))
+    cache.table.open("s")
+    cache.table.extend("s", 5)
+    scratch = cache.table.scratch("s", 6)
+    src = [scratch[r] for r in (0, 2, 5)]
+    expected = cache.kv.clone()
+    dst = cache.commit("s", [0, 2, 5])
+    kv_commit_ref(expected, torch.tensor(src), torch.tensor(dst))
+    assert torch.equal(cache.kv, expected)
+
+
+def test_ddtree_refs_match_drafter_tree():
+    g = torch.Generator().manual_seed(0)
+    for S, L, V, k, budget in ((1, 1, 50, 1, 1), (2, 7, 300, 4, 16), (3, 15, 1000, 8, 64), (1, 3, 40, 2, 100)):
+        logits = torch.randn(S, L, V, generator=g) * 3
+        ids, lps = ddtree_topk_ref(logits, k)
+        want_ids, want_lps = topk_logprobs(logits, k)
+        assert ids.tolist() == want_ids.tolist() and torch.allclose(lps, torch.from_numpy(want_lps))
+        tokens, parents, depths, count = ddtree_tree_ref(ids, lps, budget)
+        for s in range(S):
+            tree = build_tree(ids[s].numpy(), lps[s].numpy(), budget)
+            n = int(count[s])
+            assert n == len(tree) and tokens[s, :n].tolist() == tree.tokens.tolist()
+            assert parents[s, :n].tolist() == tree.parents.tolist() and depths[s, :n].tolist() == tree.depths.tolist()
