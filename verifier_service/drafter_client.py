@@ -78,6 +78,7 @@ class DrafterClient:
             self._add(address)
         self.assignment: dict[str, Replica] = {}
         self.lock = threading.Lock()
+        self._releasing: set[grpc.Future] = set()
         self._stop = threading.Event()
         self._probe = threading.Thread(target=self._probe_loop, args=(probe_period_s, targets), daemon=True)
         self._probe.start()
@@ -147,7 +148,11 @@ class DrafterClient:
             if r is not None:
                 r.sessions.discard(session_id)
         if r is not None and r.healthy:
-            r.stub.Release.future(dpb.ReleaseRequest(session_id=session_id), timeout=5)
+            # Fire and forget, but hold the future until it is done: grpc cancels the call of a future
+            # that is garbage-collected, and the drafter would keep the session's cache.
+            fut = r.stub.Release.future(dpb.ReleaseRequest(session_id=session_id), timeout=5)
+            self._releasing.add(fut)
+            fut.add_done_callback(self._releasing.discard)
 
     def _probe_loop(self, period_s: float, targets: tuple[str, ...]) -> None:
         while not self._stop.wait(period_s):
@@ -175,7 +180,8 @@ def _serving(health: health_pb2_grpc.HealthStub) -> bool:
 
 
 def _item(r: DraftRequest) -> dpb.ProposeItem:
+    # The wire format of feature rows is bf16 whatever the verifier computes in (ProposeItem.features).
     return dpb.ProposeItem(
-        session_id=r.session_id, start_position=r.start_position, features=to_proto(r.features),
+        session_id=r.session_id, start_position=r.start_position, features=to_proto(r.features.to(torch.bfloat16)),
         root_token=r.root_token, tree_budget=r.tree_budget, reset=r.reset,
         mode=dpb.DRAFT_MODE_CHAIN if r.chain else dpb.DRAFT_MODE_DDTREE)

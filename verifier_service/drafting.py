@@ -18,9 +18,10 @@ log = get_logger("verifier.drafting")
 
 
 class DraftPlanner:
-    def __init__(self, client: DrafterClient, config):
+    def __init__(self, client: DrafterClient, config, vocab_size: int):
         self.client = client
         self.config = config
+        self.vocab_size = vocab_size
 
     def _request(self, s: Session) -> DraftRequest | None:
         replica = self.client.route(s.id)
@@ -51,9 +52,14 @@ class DraftPlanner:
                 continue
             drafts_for = answers.get(s.id)
             if isinstance(drafts_for, Draft):
-                s.drafter_len, s.needs_reset = s.features.end, False
-                drafts[s.id] = drafts_for
-                continue
+                problem = tree_problem(drafts_for, self._node_limit(s), self.vocab_size)
+                if problem is None:
+                    s.drafter_len, s.needs_reset = s.features.end, False
+                    drafts[s.id] = drafts_for
+                    continue
+                # A malformed tree would fail the whole batch's forward (or overrun the scratch pages
+                # reserved per session): verify this session root-only instead.
+                log.warning("draft_invalid", session=s.id, replica=s.drafter_replica, problem=problem)
             s.needs_reset = True  # unknown drafter state: resend the window next step
             if isinstance(drafts_for, dpb.ItemError):
                 log.warning("draft_item_error", session=s.id, field=drafts_for.field, message=drafts_for.message)
@@ -61,6 +67,26 @@ class DraftPlanner:
                 metrics.DRAFT_UNAVAILABLE.inc()
         return drafts
 
+    def _node_limit(self, s: Session) -> int:
+        """Most nodes a tree may have: the budget asked for (chain: B-1, within the scratch reserved
+        for max_tree_budget)."""
+        return self.config.max_tree_budget if s.params.mode == CHAIN else s.params.tree_budget
+
     def release(self, s: Session) -> None:
         if s.drafter_replica is not None:
             self.client.release(s.id)
+
+
+def tree_problem(d: Draft, max_nodes: int, vocab_size: int) -> str | None:
+    """Why a drafter's tree cannot be verified (None if it can): the proto's shape rules."""
+    if len(d.parents) != len(d.tokens):
+        return f"{len(d.tokens)} tokens but {len(d.parents)} parents"
+    if len(d.tokens) > max_nodes:
+        return f"{len(d.tokens)} nodes, at most {max_nodes} asked for"
+    bad = next((i for i, p in enumerate(d.parents) if not 0 <= p <= i), None)
+    if bad is not None:
+        return f"node {bad + 1} has parent {d.parents[bad]}, not in [0, {bad + 1})"
+    bad = next((t for t in d.tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"token {bad} outside [0, {vocab_size})"
+    return None

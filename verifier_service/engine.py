@@ -33,9 +33,11 @@ class Engine:
         self.config = config
         self.cache = runner.cache
         self.table = runner.cache.table
-        self.drafting = DraftPlanner(drafters, config) if drafters is not None and drafters.enabled else None
+        self.drafting = (DraftPlanner(drafters, config, runner.cfg.vocab_size)
+                         if drafters is not None and drafters.enabled else None)
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
         self.block_size = 0  # the drafter's, once it has told us
+        self.on_fatal = None  # set at world size > 1: called (from the loop thread) when a step fails
         self.waiting: deque[Session] = deque()
         self.active: dict[str, Session] = {}
         self.reserved: dict[str, int] = {}  # pages promised to each admitted session
@@ -50,9 +52,15 @@ class Engine:
             self.waiting.append(session)
             self._wake.notify()
 
+    def is_live(self, session_id: str) -> bool:
+        """Waiting or active. Under the lock: the loop thread moves sessions out of `waiting`, and
+        iterating a deque while another thread pops it raises."""
+        with self._wake:
+            return session_id in self.active or any(s.id == session_id for s in self.waiting)
+
     def cancel(self, session_id: str) -> bool:
         with self._wake:
-            known = session_id in self.active or any(s.id == session_id for s in self.waiting)
+            known = self.is_live(session_id)
             if known:
                 self._cancel.add(session_id)
                 self._wake.notify()
@@ -66,6 +74,13 @@ class Engine:
             self._stop = True
             self._wake.notify()
         self.thread.join(timeout=10)
+
+    def fail_all(self, message: str, code: str = "UNAVAILABLE") -> None:
+        """Fatal path (a rank died): end every stream with `code` now, from any thread."""
+        with self._wake:
+            sessions = [*self.active.values(), *self.waiting]
+        for s in sessions:
+            s.emit(Emission([], [], 0, finish_reason=pb.FINISH_REASON_UNSPECIFIED, error=message, error_code=code))
 
     @property
     def live_sessions(self) -> int:
@@ -88,6 +103,9 @@ class Engine:
                     self.step()
                 except Exception as e:  # a failed forward fails the step's sessions, not the service
                     log.exception("step_failed")
+                    if self.on_fatal is not None:  # multi-rank: a failed collective means a lost rank
+                        self.on_fatal(f"step failed: {type(e).__name__}: {e}")
+                        return
                     for s in list(self.active.values()):
                         self._finish(s, Emission([], [], 0, finish_reason=pb.FINISH_REASON_UNSPECIFIED,
                                                  error=f"{type(e).__name__}: {e}"))
@@ -101,6 +119,10 @@ class Engine:
         metrics.WAITING.set(len(self.waiting))
         metrics.RUNNING.set(len(self.active))
         metrics.KV_USAGE.set(1 - self.table.num_free / self.table.num_pages)
+        with self._wake:  # `waiting` is shared with the gRPC threads (submit, is_live)
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
         while self.waiting and len(self.active) < self.config.max_batch:
             s = self.waiting[0]
             need = self._pages_needed(s)
@@ -208,10 +230,12 @@ class Engine:
             self._finish(s, Emission([], [], 0, finish_reason=reason, matched_stop_token_id=stop_id))
 
     def _finish_cancelled(self, sid: str) -> None:
-        for s in list(self.waiting):
-            if s.id == sid:
+        with self._wake:
+            queued = [s for s in self.waiting if s.id == sid]
+            for s in queued:
                 self.waiting.remove(s)
-                s.emit(Emission([], [], 0, finish_reason=pb.FINISH_REASON_CANCELLED))
+        for s in queued:
+            s.emit(Emission([], [], 0, finish_reason=pb.FINISH_REASON_CANCELLED))
         if sid in self.active:
             self._finish(self.active[sid], Emission([], [], 0, finish_reason=pb.FINISH_REASON_CANCELLED))
 
@@ -226,10 +250,10 @@ class Engine:
         s.emit(final)
 
 
-def build_engine(config) -> Engine:
+def build_engine(config, info=None) -> Engine:
     from verifier_service.drafter_client import DrafterClient
     from verifier_service.runner import Runner
 
-    runner = Runner(config)
+    runner = Runner(config, info)
     drafters = DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000) if config.drafter else None
     return Engine(runner, config, drafters)

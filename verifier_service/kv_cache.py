@@ -22,7 +22,7 @@ Every rank runs the same bookkeeping on the same broadcast plan, so page ids agr
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +138,8 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         self.table = PageTable(num_pages, page_size)
         self.kv = torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
+        # Multi-rank: rank 0 forwards each commit's copy to the other ranks' replicated caches.
+        self.on_copy: Callable[[list[int], list[int]], None] | None = None
 
     @classmethod
     def from_budget(cls, budget_bytes: int, *, num_layers: int, width: int, page_size: int,
@@ -165,8 +167,14 @@ class PagedKVCache:
         cannot overwrite a source row."""
         src, dst = self.table.plan_commit(sid, accepted_rows)
         if src:
-            flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [L, slots, width]
-            idx = lambda s: torch.as_tensor(s, dtype=torch.int64, device=self.kv.device)  # noqa: E731
-            flat[:, idx(dst)] = flat[:, idx(src)]
+            if self.on_copy is not None:
+                self.on_copy(src, dst)
+            self.copy_rows(src, dst)
         self.table.release_scratch(sid)
         return dst
+
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """kv[:, dst[i]] = kv[:, src[i]] in every layer (sources never alias destinations)."""
+        flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [L, slots, width]
+        idx = lambda s: torch.as_tensor(list(s), dtype=torch.int64, device=self.kv.device)  # noqa: E731
+        flat[:, idx(dst)] = flat[:, idx(src)]

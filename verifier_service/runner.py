@@ -1,40 +1,90 @@
-"""The verifier's model owner: loads the target, allocates the paged latent KV cache once, runs forwards.
+"""The verifier's model owner on one rank: loads this rank's slice of the target, allocates the paged
+latent KV cache once, runs forwards and KV copies.
 
-World size 1 here; the SPMD ranks of issue 6 hang off this class (rank 0 broadcasts each plan).
+At world size N every rank holds its heads and experts (verifier_service/ranks.py); rank 0 sends each
+op (forward plan, commit copy) to the others before running it, and they `apply` the same op, so the
+collectives inside the forward line up and the replicated caches stay identical.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from service_kit.logs import get_logger
+from verifier_service import ranks
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service.model import ForwardOutput, K2Model
+from verifier_service.model import ForwardOutput, K2Model, identity
 from verifier_service.model_config import K2Config
 from verifier_service.plan import BatchPlan
 from verifier_service.weights import load_target_weights
 
 log = get_logger("verifier.runner")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORWARD, COPY = "forward", "copy"
+
+
+def rank_device(config, rank: int) -> torch.device:
+    if config.device.startswith("cuda"):
+        gpus = config.gpus or tuple(range(config.world_size))
+        return torch.device("cuda", gpus[rank])
+    return torch.device(config.device)
 
 
 class Runner:
-    def __init__(self, config):
+    def __init__(self, config, info: ranks.RankInfo | None = None):
+        self.info = info or ranks.RankInfo(0, 1, 0)
         self.cfg = K2Config.from_json(config.model)
-        self.device = torch.device(config.device)
+        self.device = rank_device(config, self.info.rank)
         self.dtype = DTYPES[config.dtype]
-        weights = load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device)
-        self.model = K2Model(self.cfg, weights)
+        self.control = None
+        if self.info.world_size > 1:
+            self.control = ranks.Control(self.info, self.device, config.collective_timeout_s)
+        weights = load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
+                                      ep_rank=self.info.rank, ep_size=self.info.world_size)
+        reduce = ranks.all_reduce if self.info.world_size > 1 else identity
+        self.model = K2Model(self.cfg, weights, all_reduce=reduce)
         self.weight_bytes = _nbytes(weights)
         self.cache = PagedKVCache.from_budget(
             config.kv_cache_mb * 2**20, num_layers=self.cfg.num_hidden_layers, width=self.cfg.kv_cache_width,
             page_size=config.page_size, dtype=self.dtype, device=self.device)
+        self.kv_bytes = self.cache.kv.numel() * self.cache.kv.element_size()
+        if self.control is not None and self.info.rank == 0:
+            self.cache.on_copy = lambda src, dst: self.control.send((COPY, src, dst))
         self.target_layer_ids: tuple[int, ...] = ()  # set from the drafter's GetInfo
-        log.info("model_ready", layers=self.cfg.num_hidden_layers, weight_bytes=self.weight_bytes,
-                 kv_pages=self.cache.table.num_pages, kv_bytes=self.cache.kv.numel() * self.cache.kv.element_size())
+        mine = (self.info.rank, str(self.device), self.weight_bytes, self.kv_bytes)
+        self.memory = self.control.gather(mine) if self.control is not None else [mine]
+        log.info("rank_ready", rank=self.info.rank, world_size=self.info.world_size, device=str(self.device),
+                 weight_bytes=self.weight_bytes, kv_pages=self.cache.table.num_pages, kv_bytes=self.kv_bytes)
 
     def forward(self, plan: BatchPlan) -> ForwardOutput:
-        return self.model.forward(plan, self.cache.kv, self.target_layer_ids)
+        """Rank 0: broadcast the plan (CPU tensors), then run it here."""
+        if self.control is not None:
+            self.control.send((FORWARD, _to(plan, "cpu"), self.target_layer_ids))
+        return self.model.forward(_to(plan, self.device), self.cache.kv, self.target_layer_ids)
+
+    def apply(self, op: tuple) -> None:
+        """Ranks 1..N-1: replay one of rank 0's ops."""
+        if op[0] == FORWARD:
+            _, plan, layer_ids = op
+            self.model.forward(_to(plan, self.device), self.cache.kv, layer_ids)
+        elif op[0] == COPY:
+            self.cache.copy_rows(op[1], op[2])
+        else:
+            raise ValueError(f"unknown op {op[0]!r}")
+
+    def shutdown(self) -> None:
+        if self.control is not None:
+            if self.info.rank == 0:
+                self.control.send((ranks.STOP,))
+            self.control.close()
+
+
+def _to(plan: BatchPlan, device) -> BatchPlan:
+    moved = {f.name: getattr(plan, f.name).to(device) for f in dataclasses.fields(plan)
+             if isinstance(getattr(plan, f.name), torch.Tensor)}
+    return dataclasses.replace(plan, **moved)
 
 
 def _nbytes(obj) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ from ddtree.v1 import generation_pb2 as pb
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import configure_logging, get_logger
 from service_kit.server import Service, run_server
+from verifier_service import ranks
 from verifier_service.config import VerifierConfig
 from verifier_service.requests import to_params, validate
 from verifier_service.session import Emission, Session
@@ -34,7 +37,7 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
         if self.engine is None:
             raise Unavailable("verifier is still loading")
         validate(request, self.engine.runner.cfg, self.config)
-        if request.request_id in self.engine.active or any(s.id == request.request_id for s in self.engine.waiting):
+        if self.engine.is_live(request.request_id):
             raise InvalidArgument("request_id", f"{request.request_id!r} is already generating")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Emission] = asyncio.Queue()
@@ -49,7 +52,7 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
                 if e.error is not None:
                     raise ServiceError(e.error, getattr(grpc.StatusCode, e.error_code))
                 if e.finish_reason is not None:
-                    yield vpb.VerifierGenerateResponse(final=_final(session, e))
+                    yield vpb.VerifierGenerateResponse(final=_final(session, e, self.engine.block_size))
                     return
                 yield vpb.VerifierGenerateResponse(chunk=vpb.TokenChunk(
                     token_ids=e.token_ids, logprobs=e.logprobs, num_verify_steps=e.verify_steps))
@@ -66,9 +69,9 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
         return info(self.engine, self.config)
 
 
-def _final(s: Session, e: Emission) -> vpb.VerifierFinal:
+def _final(s: Session, e: Emission, block_size: int) -> vpb.VerifierFinal:
     f = vpb.VerifierFinal(finish_reason=e.finish_reason, prompt_tokens=len(s.prompt),
-                          completion_tokens=s.emitted, spec_stats=s.spec_stats())
+                          completion_tokens=s.emitted, spec_stats=s.spec_stats(block_size))
     if e.matched_stop_token_id is not None:
         f.matched_stop_token_id = e.matched_stop_token_id
     return f
@@ -89,8 +92,7 @@ def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
         pages_total=table.num_pages, pages_used=table.num_pages - table.num_free, page_size=table.page_size,
         live_sessions=engine.live_sessions, world_size=config.world_size, device=config.device, dtype=config.dtype,
         drafters=[vpb.DrafterReplica(address=a, state=s, sessions=n) for a, s, n in drafters],
-        memory=[vpb.RankMemory(rank=0, device=str(runner.device), weight_bytes=runner.weight_bytes,
-                               kv_cache_bytes=runner.cache.kv.numel() * runner.cache.kv.element_size())])
+        memory=[vpb.RankMemory(rank=r, device=d, weight_bytes=w, kv_cache_bytes=k) for r, d, w, k in runner.memory])
 
 
 def max_context(engine, config: VerifierConfig) -> int:
@@ -115,25 +117,46 @@ def fetch_drafter_layout(engine, done: threading.Event) -> None:
         time.sleep(1.0)
 
 
+def die(engine, workers, why: str) -> None:
+    """A rank is gone: fail every stream with UNAVAILABLE, stop the other ranks, exit (no hanging)."""
+    log.error("verifier_rank_lost", reason=why)
+    engine.fail_all(f"verifier down: {why}")
+    time.sleep(1.0)  # let the failed streams reach their clients
+    for p in workers:
+        p.kill()
+    os._exit(1)
+
+
 def main(config: VerifierConfig) -> int:
     configure_logging("verifier", config.log_level, json=config.log_format == "json")
     from verifier_service.engine import build_engine
+
+    info, workers = ranks.start_ranks(config, sys.argv[1:])
+    if info is not None and info.rank > 0:
+        return ranks.run_worker(config, info)
 
     async def run() -> None:
         holder = {}
 
         async def warmup() -> None:
-            engine = await asyncio.to_thread(build_engine, config)
+            engine = await asyncio.to_thread(build_engine, config, info)
+            ranks.watch_workers(workers, lambda why: die(engine, workers, why))
+            if config.world_size > 1:
+                engine.on_fatal = lambda why: die(engine, workers, why)
             holder["engine"] = engine
             servicer.engine = engine
-            found = threading.Event()
-            threading.Thread(target=fetch_drafter_layout, args=(engine, found), daemon=True).start()
-            await asyncio.to_thread(found.wait, 30.0)  # start without drafts if no drafter answers yet
+            if engine.drafting:  # without drafters there is no layout to wait for (plain AR)
+                found = threading.Event()
+                threading.Thread(target=fetch_drafter_layout, args=(engine, found), daemon=True).start()
+                await asyncio.to_thread(found.wait, 30.0)  # start without drafts if no drafter answers yet
             engine.start()
 
         async def on_stop() -> None:
             if "engine" in holder:
                 holder["engine"].stop()
+                holder["engine"].runner.shutdown()  # stops the other ranks' loops
+            for p in workers:
+                p.wait(timeout=30)
 
         servicer = VerifierServicer(None, config)
         await run_server(config, [Service(vpb_grpc.add_VerifierServicer_to_server, servicer, SERVICE_NAME)],

@@ -130,13 +130,15 @@ class Session:
                 return tokens[: i + 1], pb.FINISH_REASON_LENGTH, None
         return tokens, None, None
 
-    def spec_stats(self) -> pb.SpecStats:
+    def spec_stats(self, block_size: int) -> pb.SpecStats:
+        """`block_size`: the drafter's (0 while unknown); a chain step drafts block_size - 1 nodes."""
         s = self.stats
         steps = s.verify_steps
+        budget = {AR: 0, CHAIN: max(block_size - 1, 0)}.get(self.params.mode, self.params.tree_budget)
         return pb.SpecStats(
             verify_steps=steps, accepted_draft_tokens=s.accepted,
             mean_acceptance_length=(s.accepted + steps) / steps if steps else 0.0,
-            tree_budget=0 if self.params.mode == AR else self.params.tree_budget,
+            tree_budget=budget,
             draft_tokens=s.drafted, draft_unavailable_steps=s.no_draft_steps if self.params.mode != AR else 0,
             mode={AR: pb.SPEC_MODE_AR, CHAIN: pb.SPEC_MODE_CHAIN, DDTREE: pb.SPEC_MODE_DDTREE}[self.params.mode],
             acceptance_histogram=s.histogram)

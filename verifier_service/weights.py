@@ -26,6 +26,7 @@ from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
 from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
+from verifier_service.ranks import split_range
 
 log = get_logger("verifier.weights")
 
@@ -93,7 +94,9 @@ def load_target_weights(
     ep_size: int = 1,
     progress: Callable[[LoadProgress], None] | None = None,
 ) -> TargetWeights:
-    """Validate the checkpoint against `cfg` (default: its own config.json), then load this rank's part."""
+    """Validate the checkpoint against `cfg` (default: its own config.json), then load this rank's part:
+    routed experts `expert_range(n, ep_rank, ep_size)` and attention heads `head_range(heads, ep_rank,
+    ep_size)` (slices of q_b_proj / kv_b_proj rows and o_proj columns, read without the rest)."""
     cfg = cfg if cfg is not None else K2Config.from_json(model_dir)
     index = CheckpointIndex(model_dir)
     index.open_all()
@@ -103,9 +106,11 @@ def load_target_weights(
     _check_names(index, stored, expected)
     _check_shapes(index, stored, expected)
     experts = expert_range(cfg.n_routed_experts, ep_rank, ep_size)
+    # Heads like experts (64 over 7 → 10 + 9×6); a rank may hold none (tiny models at world size 7).
+    heads = split_range(cfg.num_attention_heads, ep_rank, ep_size)
     reader = _Reader(index, stored, torch.device(device), progress or LogProgress())
     reader.plan([n for n in expected if _wanted(n, experts)])
-    layers = tuple(_layer(reader, cfg, i, experts, dtype) for i in range(cfg.num_hidden_layers))
+    layers = tuple(_layer(reader, cfg, i, experts, heads, dtype) for i in range(cfg.num_hidden_layers))
     embed = reader.get("model.embed_tokens.weight", dtype)
     head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", dtype)
     norm = reader.get("model.norm.weight", dtype)
@@ -218,10 +223,16 @@ class _Reader:
         self.total_tensors = len(names)
         self.total_bytes = sum(self.index.nbytes(self.stored[n]) for n in names)
 
-    def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-        """dtype None keeps the stored dtype."""
+    def get(self, name: str, dtype: torch.dtype | None, rows: range | None = None,
+            cols: range | None = None) -> torch.Tensor:
+        """dtype None keeps the stored dtype. rows/cols read only that block of a 2-D tensor."""
         stored = self.stored[name]
-        t = self.index.read(stored)
+        if rows is None and cols is None:
+            t = self.index.read(stored)
+        else:
+            r = slice(None) if rows is None else slice(rows.start, rows.stop)
+            c = slice(None) if cols is None else slice(cols.start, cols.stop)
+            t = self.index._slice(stored)[r, c]
         t = t.to(self.device) if dtype is None else t.to(self.device, dtype)
         self.done_tensors += 1
         self.done_bytes += self.index.nbytes(stored)
@@ -230,11 +241,24 @@ class _Reader:
         return t
 
 
-def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, dtype: torch.dtype) -> LayerWeights:
+def _attention(r: _Reader, cfg: K2Config, a: str, heads: range, dtype: torch.dtype) -> MLAWeights:
+    """This rank's heads: per-head row blocks of q_b_proj ([nope ; rope]) and kv_b_proj ([W_UK ; W_UV]),
+    column block of o_proj. The latent projections are replicated."""
+    def per_head(width: int) -> range:
+        return range(heads.start * width, heads.stop * width)
+
+    full = {k: r.get(a + k + ".weight", dtype) for k in (
+        "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")}
+    return MLAWeights(
+        **full,
+        q_b_proj=r.get(a + "q_b_proj.weight", dtype, rows=per_head(cfg.qk_head_dim)),
+        kv_b_proj=r.get(a + "kv_b_proj.weight", dtype, rows=per_head(cfg.qk_nope_head_dim + cfg.v_head_dim)),
+        o_proj=r.get(a + "o_proj.weight", dtype, cols=per_head(cfg.v_head_dim)))
+
+
+def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtype: torch.dtype) -> LayerWeights:
     p = f"model.layers.{i}."
-    a = p + "self_attn."
-    attn = MLAWeights(**{k: r.get(a + k + ".weight", dtype) for k in (
-        "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")})
+    attn = _attention(r, cfg, p + "self_attn.", heads, dtype)
     if cfg.is_moe_layer(i):
         shared = _mlp(r, p + "mlp.shared_experts.", dtype) if cfg.n_shared_experts else None
         mlp: MLPWeights | MoEWeights = MoEWeights(

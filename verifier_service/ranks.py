@@ -1,0 +1,172 @@
+"""SPMD ranks of the verifier: process-group setup, spawning, and the control channel.
+
+Rank 0 is the only network endpoint (gRPC server, scheduler, drafter client). Every target forward
+and every KV copy is an op that rank 0 broadcasts over a gloo "control" group before running it
+itself; ranks 1..N-1 loop on those ops, so all ranks run the same collectives in the same order
+and their replicated latent caches stay identical. Accept/sampling decisions exist only on rank 0.
+
+Launch: `ddtree verifier --world-size N` spawns ranks 1..N-1 itself (torchrun-style environment:
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); under torchrun nothing is spawned.
+Collectives time out after `collective_timeout_s`, so a dead rank takes the verifier down instead
+of hanging it; spawned ranks also die with their parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from service_kit.logs import get_logger
+
+log = get_logger("verifier.ranks")
+STOP = "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> RankInfo | None:
+        if "RANK" not in os.environ:
+            return None
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                   int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def split_range(n: int, rank: int, size: int) -> range:
+    """Contiguous, as even as possible, the first n % size ranks one larger (384/7 → 55×6 + 54)."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawn_workers(world_size: int, argv: list[str]) -> list[subprocess.Popen]:
+    """Start ranks 1..N-1 running the same `ddtree verifier` command; sets rank 0's env in place."""
+    port = _free_port()
+    base = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    procs = []
+    for r in range(1, world_size):
+        env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "service_kit.cli", *argv], env=env,
+                                      preexec_fn=_die_with_parent))
+    return procs
+
+
+class Control:
+    """The op channel: rank 0 `send`s, the others `recv`. Ops are small pickled tuples of CPU tensors."""
+
+    def __init__(self, info: RankInfo, device: torch.device, timeout_s: float):
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
+        # Control ops always travel over gloo (CPU objects), whatever carries the activations.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        self.info = info
+
+    def send(self, op: tuple) -> None:
+        dist.broadcast_object_list([op], src=0, group=self.group)
+
+    def recv(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (a collective: all ranks must call it)."""
+        out = [None] * self.info.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (partial o_proj outputs, partial expert outputs). fp32 on CPU gloo for bf16."""
+    if t.device.type == "cpu" and t.dtype == torch.bfloat16:
+        f = t.float()
+        dist.all_reduce(f)
+        return f.to(t.dtype)
+    dist.all_reduce(t)
+    return t
+
+
+def worker_loop(runner, control: Control) -> None:
+    """Ranks 1..N-1: run rank 0's ops until it says stop (or a collective fails)."""
+    log.info("worker_ready", rank=control.info.rank)
+    while True:
+        op = control.recv()
+        if op[0] == STOP:
+            return
+        runner.apply(op)
+
+
+def start_ranks(config, argv: list[str]) -> tuple[RankInfo | None, list[subprocess.Popen]]:
+    """-> (this process's rank, the workers it spawned). World size 1: (None, [])."""
+    info = RankInfo.from_env()
+    if info is None and config.world_size > 1:
+        workers = spawn_workers(config.world_size, argv)
+        return RankInfo.from_env(), workers
+    if info is not None and info.world_size != config.world_size:
+        raise ValueError(f"world_size: --world-size {config.world_size} but WORLD_SIZE={info.world_size}")
+    return info, []
+
+
+def watch_workers(workers: list[subprocess.Popen], on_death, period_s: float = 0.5) -> None:
+    """Rank 0: a worker that exits takes the verifier down at once (no waiting for a collective timeout)."""
+    import threading
+    import time
+
+    def loop() -> None:
+        while True:
+            dead = [(i + 1, p.returncode) for i, p in enumerate(workers) if p.poll() is not None]
+            if dead:
+                on_death(f"verifier rank {dead[0][0]} exited with {dead[0][1]}")
+                return
+            time.sleep(period_s)
+
+    if workers:
+        threading.Thread(target=loop, name="rank-watch", daemon=True).start()
+
+
+def run_worker(config, info: RankInfo) -> int:
+    """Ranks 1..N-1: load this rank's slice, then replay rank 0's ops until stop or failure."""
+    from verifier_service.runner import Runner
+
+    runner = Runner(config, info)
+    try:
+        worker_loop(runner, runner.control)
+    except Exception as e:  # rank 0 died or a collective timed out: leave, never hang
+        log.error("worker_failed", rank=info.rank, error=repr(e))
+        return 1
+    finally:
+        runner.control.close()
+    return 0
