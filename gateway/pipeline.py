@@ -52,6 +52,13 @@ class Gateway:
             default_max_new_tokens=min(self.config.default_max_new_tokens, self.info.max_new_tokens_limit),
             max_tree_budget=self.info.max_tree_budget, max_stop_strings=self.config.max_stop_strings)
 
+    async def refresh_info(self) -> None:
+        """Re-reads the verifier's info (drafter replicas come and go); keeps the last one if it is down."""
+        try:
+            self.info = await self.verifier.GetInfo(vpb.GetVerifierInfoRequest(), timeout=2)
+        except grpc.RpcError:
+            pass
+
     async def verifier_serving(self) -> bool:
         try:
             r = await self.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=2)

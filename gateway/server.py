@@ -50,6 +50,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.decode([i]) for i in ids])
 
     async def GetServerInfo(self, request, context):
+        if self.gateway.info is not None:
+            await self.gateway.refresh_info()  # replica health, block size: live, not as at start-up
         return server_info(self.gateway)
 
 

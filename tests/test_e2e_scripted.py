@@ -1,0 +1,183 @@
+"""End to end through gateway and verifier processes, drafts from the scripted drafter (issue 5).
+
+The scripted double (scripted_drafter.py) knows the target's answer from a prior plain-AR run of the
+same request and proposes trees that must be accepted to exactly a planned depth, so every accepted
+length 0..B-1 and every branch position occurs — which the random tiny drafter never achieves. The
+output must still equal plain AR token for token, greedy and seeded sampling alike.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scripted_drafter import Faults, Record, ScriptedDrafter, ScriptedDrafterServer
+from stack import (PROMPTS, first_difference, gen_request, generate, generate_many, new_stack, ok, pb,  # noqa: F401
+                   tiny_ckpt, wait_until)
+
+N = 64  # new tokens compared per request
+CONFIGS = [(pb.SPEC_MODE_DDTREE, 4), (pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_DDTREE, 64), (pb.SPEC_MODE_CHAIN, None)]
+
+
+@pytest.fixture(scope="module")
+def scripted(request, tiny_ckpt, tmp_path_factory):
+    cfg = json.loads((tiny_ckpt / "drafter" / "config.json").read_text())
+    drafter = ScriptedDrafter(block_size=cfg["block_size"], target_layer_ids=cfg["dflash_config"]["target_layer_ids"],
+                              hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                              mask_token_id=cfg["dflash_config"]["mask_token_id"])
+    server = ScriptedDrafterServer(drafter).start()
+    try:
+        with new_stack(request, tiny_ckpt, tmp_path_factory) as st:
+            # A short feature window: resyncs resend rows from s - 16, not from 0.
+            st.add_verifier("--feature-window", "16", "--draft-deadline-ms", "1000", drafters=[server.address],
+                            wait=False)
+            st.add_gateway()
+            yield st, drafter
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def drafter(scripted):
+    """The scripted drafter with a fresh record and no faults; checks every session was released."""
+    st, d = scripted
+    d.record, d.faults = Record(), Faults()
+    yield d
+    d.faults = Faults()
+    wait_until(lambda: not d.sessions, 10, "the verifier to release every drafter session")
+    info = st.verifier_info()
+    assert info.pages_used == 0 and info.live_sessions == 0, info
+
+
+def ar_references(st, n: int, **sampling):
+    """Plain AR outputs of PROMPTS, B tokens longer than compared (the trees look ahead)."""
+    return [generate(st.generation, gen_request(p, n + 8, mode=pb.SPEC_MODE_AR, **sampling)) for p in PROMPTS]
+
+
+def run_scripted(st, drafter, refs, mode, budget, n=N, prompts=PROMPTS, sampling=None):
+    sampling = sampling or [{}] * len(prompts)
+    reqs = [gen_request(p, n, mode=mode, budget=budget, **s) for p, s in zip(prompts, sampling)]
+    for req, ref in zip(reqs, refs):
+        drafter.expect(req.request_id, ref.final.usage.prompt_tokens, ref.ids)
+    return ok(generate_many(st.generation, reqs))
+
+
+def check_same(results, refs, n, label):
+    for i, (r, ref) in enumerate(zip(results, refs)):
+        assert r.ids == ref.ids[:n], f"{label}, prompt {i}: {first_difference(r.ids, ref.ids[:n])}"
+        assert r.final.finish_reason == pb.FINISH_REASON_LENGTH and r.final.usage.completion_tokens == n
+
+
+def histogram(results) -> list[int]:
+    total: list[int] = []
+    for r in results:
+        h = list(r.final.spec_stats.acceptance_histogram)
+        total += [0] * (len(h) - len(total))
+        for k, c in enumerate(h):
+            total[k] += c
+    return total
+
+
+def check_stats(r, mode, budget, block=8):
+    s = r.final.spec_stats
+    h = list(s.acceptance_histogram)
+    assert s.mode == mode
+    assert s.tree_budget == (block - 1 if mode == pb.SPEC_MODE_CHAIN else budget), s
+    assert sum(h) == s.verify_steps, s
+    assert sum(k * c for k, c in enumerate(h)) == s.accepted_draft_tokens, s
+    assert s.mean_acceptance_length == pytest.approx((s.accepted_draft_tokens + s.verify_steps) / s.verify_steps)
+    if budget is not None:
+        assert len(h) <= budget + 1, f"accepted more draft tokens than the budget {budget} of nodes: {h}"
+
+
+def test_greedy_lossless_with_scripted_trees(scripted, drafter):
+    st, _ = scripted
+    refs = ar_references(st, N)
+    block = st.verifier_info().drafter_block_size
+    results = []
+    for mode, budget in CONFIGS:
+        got = run_scripted(st, drafter, refs, mode, budget)
+        check_same(got, refs, N, f"{pb.SpecMode.Name(mode)} budget {budget}")
+        for r in got:
+            check_stats(r, mode, budget, block)
+            assert r.final.spec_stats.verify_steps < N - 1, "the scripted drafts never got accepted"
+        results += got
+    rec = drafter.record
+    assert rec.violations == [], rec.violations[:5]
+    hist = histogram(results)
+    assert len(hist) == block and all(hist), f"accepted lengths 0..{block - 1} must all occur: {hist}"
+    assert set(range(1, block)) <= set(rec.accepted_depths), rec.accepted_depths
+    assert {0, 1, 2, 3} <= set(rec.branch_ranks), f"accepted nodes at sibling ranks {rec.branch_ranks}"
+    assert rec.item_errors == 0 and rec.resyncs == 0
+
+
+@pytest.mark.parametrize("mode, budget", [(pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)])
+def test_seeded_sampling_with_scripted_trees(scripted, drafter, mode, budget):
+    """The sampled continuation, proposed as the tree's true path, is accepted as planned: the verifier
+    samples row d with the uniform of output index emitted + d, exactly as plain AR does."""
+    st, _ = scripted
+    n = 48
+    sampling = [dict(temperature=1.0, seed=1), dict(temperature=1.0, top_k=20, seed=2),
+                dict(temperature=1.0, top_p=0.9, seed=3), dict(temperature=0.8, top_k=40, top_p=0.95, seed=4),
+                dict(temperature=1.0, seed=5)]
+    refs = [generate(st.generation, gen_request(p, n + 8, mode=pb.SPEC_MODE_AR, **s))
+            for p, s in zip(PROMPTS, sampling)]
+    got = run_scripted(st, drafter, refs, mode, budget, n=n, sampling=sampling)
+    check_same(got, refs, n, f"sampled {pb.SpecMode.Name(mode)}")
+    for r in got:
+        check_stats(r, mode, budget)
+    assert drafter.record.violations == [], drafter.record.violations[:5]
+    assert len(histogram(got)) >= 6, f"long sampled acceptances expected: {histogram(got)}"
+
+
+@pytest.mark.slow
+def test_drafter_faults_keep_greedy_output(scripted, drafter):
+    """Forgotten sessions (→ resync_required, then reset with the last 16 feature rows), late answers
+    (past --draft-deadline-ms) and malformed trees: each costs a root-only step, never a token."""
+    st, _ = scripted
+    refs = ar_references(st, N)
+    drafter.faults = Faults(forget_every=5, malformed_every=7, late_every=9, late_s=1.5)
+    got = run_scripted(st, drafter, refs, pb.SPEC_MODE_DDTREE, 16)
+    check_same(got, refs, N, "with drafter faults")
+    rec = drafter.record
+    assert rec.violations == [], rec.violations[:5]
+    assert rec.resyncs > 0 and rec.resets >= rec.resyncs, rec
+    assert any(start > 0 for start in rec.reset_starts), f"resets resend the window: {rec.reset_starts}"
+    assert sum(r.final.spec_stats.draft_unavailable_steps for r in got) > 0
+    assert sum(r.final.spec_stats.accepted_draft_tokens for r in got) > N, "drafts stopped being used"
+
+
+def _with_logprobs(st, req):
+    req.return_logprobs = True
+    ids, logprobs, final = [], [], None
+    for msg in st.generation.Generate(req, timeout=60):
+        if msg.HasField("chunk"):
+            ids += msg.chunk.token_ids
+            logprobs += msg.chunk.logprobs
+        else:
+            final = msg.final
+    return ids, logprobs, final
+
+
+def test_stop_token_and_logprobs_inside_accepted_paths(scripted, drafter):
+    """A stop id met in the middle of an accepted path truncates exactly like AR; the logprobs of
+    tokens committed several per step equal AR's one-per-step ones."""
+    st, _ = scripted
+    prompt = PROMPTS[2]
+    ref_ids, ref_lp, _ = _with_logprobs(st, gen_request(prompt, N + 8, mode=pb.SPEC_MODE_AR))
+    req = gen_request(prompt, N, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    drafter.expect(req.request_id, len(prompt), ref_ids)
+    ids, lp, final = _with_logprobs(st, req)
+    assert ids == ref_ids[:N], first_difference(ids, ref_ids[:N])
+    assert final.spec_stats.accepted_draft_tokens > N // 2
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4 and len(lp) == N
+    stop = ref_ids[21]
+    cut = ref_ids.index(stop)
+    for mode in (pb.SPEC_MODE_AR, pb.SPEC_MODE_DDTREE):
+        req = gen_request(prompt, N, mode=mode, budget=16 if mode == pb.SPEC_MODE_DDTREE else None)
+        req.stopping.stop_token_ids.append(stop)
+        drafter.expect(req.request_id, len(prompt), ref_ids)
+        r = generate(st.generation, req)
+        assert r.ids == ref_ids[:cut], first_difference(r.ids, ref_ids[:cut])
+        assert r.final.finish_reason == pb.FINISH_REASON_STOP and r.final.matched_stop_token_id == stop
+    assert drafter.record.violations == []
