@@ -41,14 +41,16 @@ def _bench_cmd(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Register `kernels` and `bench` on the `ddtree` subcommand parser."""
+    """Register `kernels` on the `ddtree` subcommand parser."""
     p = sub.add_parser("kernels", help="CUDA kernel tools")
     ksub = p.add_subparsers(dest="kernels_command", required=True)
     c = ksub.add_parser("check", help="compile every kernel with NVRTC and print resource usage")
     c.add_argument("--arch", action="append", help="sm_90, sm_120, ... (repeatable; default both)")
     c.set_defaults(func=_check_cmd)
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
+
+
+def add_bench_parser(bsub) -> None:
+    """`ddtree bench kernels` (the `bench` parser itself lives in service_kit/tools.py)."""
     bk = bsub.add_parser("kernels", help="time every kernel against its torch reference on the GPU")
     bk.add_argument("--preset", default="k26", choices=["k26"])
     bk.add_argument("--out", help="also write the table as JSON lines here")
@@ -59,6 +61,8 @@ if __name__ == "__main__":  # python -m kernels.cli check ... without the ddtree
     import argparse
 
     parser = argparse.ArgumentParser(prog="kernels")
-    add_parser(parser.add_subparsers(dest="command", required=True))
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_parser(commands)
+    add_bench_parser(commands.add_parser("bench").add_subparsers(dest="bench_command", required=True))
     args = parser.parse_args()
     sys.exit(int(args.func(args) or 0))

@@ -37,7 +37,7 @@ def _smem(nbuf: int) -> int:  # sizeof(Smem<NBUF>) in the .cu
 
 
 # Key-tile buffers per block. 1: 80 KB of shared memory, two blocks per SM (fits sm_120's 99 KB);
-# that beat a 2-deep ring at one block per SM by 25-35% on H200 (kernels/PERF_NOTES.md).
+# that beat a 2-deep ring at one block per SM by 25-35% on H200 (docs/BENCHMARKS.md).
 RING = 1
 
 

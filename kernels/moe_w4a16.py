@@ -30,7 +30,7 @@ NAMES = ("moe_route", "moe_gemm<0, 1>", "moe_gemm<0, 2>", "moe_gemm<1, 1>", "moe
 STAGES, CHUNK = 4, 128  # must match the .cu (STAGES, 32 * CG)
 # Warps splitting K in a gate/up block. None: 8 when at most 8 pairs are routed (decode; few experts
 # per rank, so more bytes in flight per block pay), else 4 (more, smaller blocks per SM). H200, 1 vs
-# 3 vs 8 experts: 8 warps 31/53/112 us, 4 warps 35/58/108 us (kernels/PERF_NOTES.md).
+# 3 vs 8 experts: 8 warps 31/53/112 us, 4 warps 35/58/108 us (docs/BENCHMARKS.md).
 GATE_UP_WARPS: int | None = None
 
 

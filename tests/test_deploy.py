@@ -267,6 +267,8 @@ def test_env_file_shows_the_real_defaults():
             continue
         default = fields[name]
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        if isinstance(default, bool):
+            shown = shown.lower()  # booleans are written as the flags take them: true / false
         assert f"Default: {shown or '(empty)'}." in comments[name], f"{name}: the comment misstates the default"
         if not active:
             assert value == shown, f"{name}: shows {value!r}, the default is {shown!r}"

@@ -107,13 +107,17 @@ def mla_forward(
     write_slots: torch.Tensor,
     groups: Sequence[KeyGroup],
     explicit: bool,
+    paged: tuple | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> this rank's partial attention output [T, H] (all-reduce over heads follows).
 
     kv_layer [num_slots, 576] is one layer's cache viewed flat; rows are written before attention reads.
+    `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form).
     """
     q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin)
     kv_layer[write_slots] = latent.to(kv_layer.dtype)
+    if paged is not None:
+        return F.linear(attend_paged_kernel(q_nope, q_rope, w, cfg, *paged), w.o_proj)
     attend = attend_explicit if explicit else attend_absorbed
     heads = q_nope.shape[1]
     out = x.new_empty(x.shape[0], heads * cfg.v_head_dim)  # [T, h*v]
@@ -121,3 +125,21 @@ def mla_forward(
         keys = kv_layer[g.key_slots]  # [S, 576]
         out[g.rows] = attend(q_nope[g.rows], q_rope[g.rows], keys, g.mask, w, cfg)
     return F.linear(out, w.o_proj)
+
+
+def attend_paged_kernel(q_nope: torch.Tensor, q_rope: torch.Tensor, w: MLAWeights, cfg: K2Config,
+                        kv_paged: torch.Tensor, plan) -> torch.Tensor:
+    """Absorbed MLA through kernels/mla_tree_attention: q [T, h, 576] = [W_UKᵀ q_nope ; q_rope],
+    o_lat [T, h, 512] over the paged cache, then W_UV -> [T, h*v] (bf16, CUDA)."""
+    from kernels.mla_tree_attention import mla_tree_attention
+
+    heads = q_nope.shape[1]
+    if heads == 0:  # a rank without heads (more ranks than heads): contributes nothing
+        return q_nope.new_zeros(q_nope.shape[0], 0)
+    kv_b = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [h, nope, C], [h, v, C]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, h, C]
+    q = torch.cat([q_lat, q_rope.to(q_lat.dtype)], dim=-1).contiguous()  # [T, h, 576]
+    o_lat = mla_tree_attention(q, kv_paged, plan.page_table, plan.prefix_lens, plan.row_starts,
+                               plan.tree_mask, plan.write_slots, cfg.softmax_scale)  # [T, h, C]
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).flatten(1)  # [T, h*v]

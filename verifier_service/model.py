@@ -21,6 +21,8 @@ from verifier_service.moe import MLPWeights, MoEWeights, mlp, moe_forward
 from verifier_service.plan import BatchPlan, key_groups
 from verifier_service.rope import rope_cos_sin, rope_inv_freq
 
+MLA_KERNEL_WIDTH = 576  # kernels/mla_tree_attention.D (not imported: CPU-only installs never load kernels)
+
 
 @dataclass(frozen=True)
 class LayerWeights:
@@ -57,7 +59,7 @@ class K2Model:
         weights: TargetWeights,
         *,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] = identity,
-        use_kernels: bool = False,  # placeholder: CUDA kernels land with the kernels issue
+        use_kernels: bool = False,  # CUDA kernels (kernels/) for tree attention and INT4 experts on GPU
         on_experts: Callable[[int, torch.Tensor], None] | None = None,
     ):
         if len(weights.layers) != cfg.num_hidden_layers:
@@ -83,7 +85,8 @@ class K2Model:
         """
         cfg, w = self.cfg, self.weights
         self._check(plan, kv_cache, target_layer_ids)
-        groups = key_groups(plan, page_size=kv_cache.shape[2])
+        kernel_attn = self._kernels_on(kv_cache)
+        groups = [] if kernel_attn else key_groups(plan, page_size=kv_cache.shape[2])
         cos, sin = rope_cos_sin(self.inv_freq, plan.positions, cfg.rope_amplitude)  # [T, rope/2]
         h = F.embedding(plan.token_ids, w.embed_tokens)  # [T, H]
         hidden_rows = _rows(plan.hidden_rows, plan.num_rows, h.device)
@@ -91,8 +94,9 @@ class K2Model:
         for i, layer in enumerate(w.layers):
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
             a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
+            paged = (kv_cache[i], plan) if kernel_attn else None
             attn = mla_forward(a, layer.self_attn, cfg, cos, sin, kv_layer, plan.write_slots, groups,
-                               plan.explicit_mla)
+                               plan.explicit_mla, paged)
             h = h + self.all_reduce(attn)
             b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
             h = h + self._mlp(i, b, layer.mlp)
@@ -108,7 +112,13 @@ class K2Model:
         if isinstance(w, MLPWeights):
             return mlp(x, w)  # dense layers are replicated: no reduce
         observe = None if self.on_experts is None else (lambda ids: self.on_experts(layer, ids))
-        return moe_forward(x, w, self.cfg, self.all_reduce, observe)
+        return moe_forward(x, w, self.cfg, self.all_reduce, observe, use_kernel=self.use_kernels)
+
+    def _kernels_on(self, kv_cache: torch.Tensor) -> bool:
+        """CUDA kernels for attention: flag set, bf16 cache on a GPU (CPU always runs the reference)."""
+        # The tree-MLA kernel is built for K2.6's 576-wide latent rows; other widths use the reference.
+        return (self.use_kernels and kv_cache.is_cuda and kv_cache.dtype == torch.bfloat16
+                and self.cfg.kv_cache_width == MLA_KERNEL_WIDTH)
 
     def _check(self, plan: BatchPlan, kv_cache: torch.Tensor, target_layer_ids: Sequence[int]) -> None:
         cfg = self.cfg

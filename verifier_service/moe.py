@@ -110,14 +110,25 @@ def moe_forward(
     cfg: K2Config,
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
     on_experts: Callable[[torch.Tensor], None] | None = None,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
     """x [T, H] -> routed (summed over ranks) + shared expert, unweighted."""
     topk_ids, topk_weights = route(x, w, cfg)
     if on_experts is not None:
         on_experts(topk_ids)
-    y = all_reduce(moe_experts_ref(x, topk_ids, topk_weights, w.experts))
+    experts = moe_experts_ref
+    if use_kernel and kernel_fits(x, w.experts):
+        from kernels.moe_w4a16 import moe_w4a16 as experts
+    y = all_reduce(experts(x, topk_ids, topk_weights, w.experts))
     if w.shared_experts is not None:
         # Replicated shared expert: added after the reduce so it is counted once. When it is split
         # column/row-parallel (96 GB cards), its partial output moves inside the reduce instead.
         y = y + mlp(x, w.shared_experts)
     return y
+
+
+def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
+    """kernels/moe_w4a16 takes bf16 CUDA activations, INT4 experts, H and I multiples of 128."""
+    g = experts.gate_proj
+    return (x.is_cuda and x.dtype == torch.bfloat16 and isinstance(g, Int4Weight)
+            and g.shape[0] % 128 == 0 and g.shape[1] % 128 == 0)

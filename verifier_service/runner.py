@@ -44,7 +44,8 @@ class Runner:
         weights = load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
                                       ep_rank=self.info.rank, ep_size=self.info.world_size)
         reduce = ranks.all_reduce if self.info.world_size > 1 else identity
-        self.model = K2Model(self.cfg, weights, all_reduce=reduce)
+        self.model = K2Model(self.cfg, weights, all_reduce=reduce,
+                             use_kernels=config.kernels and self.device.type == "cuda")
         self.weight_bytes = _nbytes(weights)
         self.cache = PagedKVCache.from_budget(
             config.kv_cache_mb * 2**20, num_layers=self.cfg.num_hidden_layers, width=self.cfg.kv_cache_width,

@@ -1,0 +1,131 @@
+"""`ddtree bench verify --preset k26 --layers L`: one full-dimension verify step of one verifier rank.
+
+Random K2.6 weights (L layers, this rank's experts and heads of an `--ep-size`-way split), a committed
+prefix of `--prefix` tokens in the paged latent cache, and a random tree of T rows verified in one
+forward, for T in `--tree-sizes`: CUDA-kernel path eager and replayed from a CUDA graph, next to the
+torch reference path, and the bandwidth floor (bytes the step must read ÷ measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import torch
+
+from verifier_service.kv_cache import PagedKVCache
+from verifier_service.model import K2Model
+from verifier_service.plan import SeqRows, build_plan, tree_parents
+from verifier_service.ranks import split_range
+from verifier_service.synthetic import k26_config, random_target
+
+EXPERT_BYTES = 3 * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2)  # packed INT4 + bf16 scales, one expert
+
+
+def add_parser(bsub) -> None:
+    p = bsub.add_parser("verify", help="time one full-dimension verify step (kernels vs torch reference)")
+    p.add_argument("--preset", default="k26", choices=["k26"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--ep-size", type=int, default=7, help="simulate rank 0 of this many verifier ranks")
+    p.add_argument("--prefix", type=int, default=4096, help="committed tokens before the tree")
+    p.add_argument("--tree-sizes", default="1,8,16,32,64")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
+    p.add_argument("--out", help="also write the rows as JSON lines here")
+    p.set_defaults(func=main)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def time_ms(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: int) -> int:
+    """Bytes one rank must read for a verify of `rows` rows: weights touched + its KV prefix."""
+    H = cfg.hidden_size
+    attn = 2 * (cfg.q_lora_rank * H + heads * cfg.qk_head_dim * cfg.q_lora_rank
+                + cfg.kv_cache_width * H + heads * 256 * cfg.kv_lora_rank + H * heads * cfg.v_head_dim)
+    touched = experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** rows)
+    moe = touched * EXPERT_BYTES + 2 * 3 * H * cfg.moe_intermediate_size + 2 * cfg.n_routed_experts * H
+    dense = 2 * 3 * H * cfg.intermediate_size
+    kv = (prefix + rows) * cfg.kv_cache_width * 2
+    head = 2 * cfg.vocab_size * H
+    return layers * (attn + kv) + (layers - 1) * moe + dense + head
+
+
+def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: random.Random):
+    t = cache.table
+    parents = [rng.randrange(i) if i > 1 else 0 for i in range(1, rows)]  # node i under [0, i)
+    tokens = [rng.randrange(vocab) for _ in range(rows)]
+    seq = SeqRows(tokens, tree_parents(parents), prefix, t.pages("s"), t.scratch("s", rows))
+    return build_plan([seq], device="cuda")
+
+
+def main(args) -> int:
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    cfg = k26_config(args.layers)
+    experts, heads = split_range(cfg.n_routed_experts, 0, args.ep_size), split_range(cfg.num_attention_heads, 0, args.ep_size)
+    weights = random_target(cfg, experts=experts, heads=heads)
+    fast, ref = K2Model(cfg, weights, use_kernels=True), K2Model(cfg, weights, use_kernels=False)
+    cache = PagedKVCache(num_layers=cfg.num_hidden_layers, width=cfg.kv_cache_width, page_size=64,
+                         num_pages=math.ceil(args.prefix / 64) + 4, dtype=torch.bfloat16, device="cuda")
+    cache.table.open("s")
+    cache.table.extend("s", args.prefix)
+    cache.kv.normal_()
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {args.ep_size}: "
+          f"{len(experts)} experts, {len(heads)} heads, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
+    print(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11}")
+    rng, out_rows = random.Random(0), []
+    for rows in [int(x) for x in args.tree_sizes.split(",")]:
+        plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng)
+        eager = time_ms(lambda: fast.forward(plan, cache.kv), args.iters)
+        graph = torch.cuda.CUDAGraph()
+        fast.forward(plan, cache.kv)  # warm the caching allocator outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            fast.forward(plan, cache.kv)
+        replay = time_ms(graph.replay, args.iters)
+        reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
+        floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix) / bw
+        row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
+                   layers=args.layers, ep_size=args.ep_size, prefix=args.prefix, gpu=torch.cuda.get_device_name())
+        out_rows.append(row)
+        print(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
+              f"{floor:>9.3f} {replay / floor:>11.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in out_rows)
+    return 0
+
+
+if __name__ == "__main__":  # without the `ddtree` entry point (e.g. on a machine without the gRPC stubs)
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="bench_verify")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["verify", *sys.argv[1:]])
+    sys.exit(main(args))
