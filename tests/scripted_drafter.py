@@ -130,7 +130,8 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
     # ---- one item
     def _error(self, sid: str, field_name: str, message: str) -> dpb.ProposeResult:
         self.record.item_errors += 1
-        return dpb.ProposeResult(session_id=sid, error=dpb.ItemError(field=field_name, message=f"{field_name}: {message}"))
+        error = dpb.ItemError(field=field_name, message=f"{field_name}: {message}")
+        return dpb.ProposeResult(session_id=sid, error=error)
 
     def _item(self, item: dpb.ProposeItem, seen: set[str], unused: bool) -> dpb.ProposeResult:
         sid, rec = item.session_id, self.record

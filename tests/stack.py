@@ -40,7 +40,6 @@ from ddtree.v1 import generation_pb2_grpc as pb_grpc
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 GATEWAY, VERIFIER, DRAFTER = "ddtree.v1.Generation", "ddtree.internal.v1.Verifier", "ddtree.internal.v1.Drafter"
-SERVICE_NAME = {"gateway": GATEWAY, "verifier": VERIFIER, "drafter": DRAFTER}
 STARTUP_S = 90.0  # a cold start on a busy 2-core box (torch import + weights) takes ~5-10 s
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -191,7 +190,8 @@ class Stack:
 
     def _proc(self, name: str, service: str, args: Sequence[str], port: int | None = None) -> Proc:
         port = port or free_port()
-        cmd = [sys.executable, "-m", "service_kit.cli", service, "--host", HOST, "--port", str(port), "--log-format", "console",
+        cmd = [sys.executable, "-m", "service_kit.cli", service, "--host", HOST, "--port", str(port),
+               "--log-format", "console",
                "--grace-s", "1", "--drain-timeout-s", "5", *args]
         return Proc(name, cmd, self.log_dir / f"{name}.log", port=port)
 
@@ -431,6 +431,7 @@ class Streaming:
     def result(self, timeout: float = 120.0) -> Result:
         self.join(timeout)
         if self.error is not None:
-            raise AssertionError(f"stream {self.req.request_id} failed: {self.error.code().name}: {self.error.details()}")
+            e = self.error
+            raise AssertionError(f"stream {self.req.request_id} failed: {e.code().name}: {e.details()}")
         assert self.final is not None, "stream ended without a final message"
         return Result(list(self.ids), "", self.final, 0)

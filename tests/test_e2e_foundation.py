@@ -15,8 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from stack import (DRAFTER, GATEWAY, HOST, SERVING, VERIFIER, Proc, Streaming, first_difference, free_port,  # noqa: F401
-                   gen_request, generate, health_status, managed, pb, service_env, tiny_ckpt, wait_until)
+from stack import (DRAFTER, GATEWAY, HOST, SERVING, VERIFIER, Proc, Streaming,  # noqa: F401
+                   first_difference, free_port, gen_request, generate, health_status, managed, pb, service_env,
+                   tiny_ckpt, wait_until)
 
 from ddtree.internal.v1 import drafter_pb2 as dpb
 from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc

@@ -111,7 +111,8 @@ def test_greedy_lossless_with_scripted_trees(scripted, drafter):
     assert rec.item_errors == 0 and rec.resyncs == 0
 
 
-@pytest.mark.parametrize("mode, budget", [(pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)])
+@pytest.mark.parametrize("mode, budget", [(pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)],
+                         ids=["ddtree16", "chain"])
 def test_seeded_sampling_with_scripted_trees(scripted, drafter, mode, budget):
     """The sampled continuation, proposed as the tree's true path, is accepted as planned: the verifier
     samples row d with the uniform of output index emitted + d, exactly as plain AR does."""

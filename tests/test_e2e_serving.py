@@ -68,7 +68,8 @@ def test_ar_mode_equals_in_process_recompute(idle, ar_refs, tiny_ckpt):
                 token = int(logits.argmax())
                 if token != ar_refs[i].ids[k]:
                     gap = float(top2[0] - top2[1])
-                    assert gap < 1e-4, f"prompt {i}, token {k}: served {ar_refs[i].ids[k]}, reference {token} (gap {gap:.2e})"
+                    assert gap < 1e-4, (f"prompt {i}, token {k}: served {ar_refs[i].ids[k]}, "
+                                        f"reference {token} (gap {gap:.2e})")
                     break  # a numerical tie: the rest may diverge legitimately
                 seq.append(token)
 
@@ -187,7 +188,8 @@ BAD_INPUT = {
     "empty token ids": (_bad(input=_ids(lambda info: [])), "input"),
     "max_new_tokens 0": (_bad(max_new_tokens=0), "stopping.max_new_tokens"),
     "max_new_tokens -3": (_bad(max_new_tokens=-3), "stopping.max_new_tokens"),
-    "max_new_tokens above limit": (_bad(max_new_tokens=lambda i: i.max_new_tokens_limit + 1), "stopping.max_new_tokens"),
+    "max_new_tokens above limit": (_bad(max_new_tokens=lambda i: i.max_new_tokens_limit + 1),
+                                   "stopping.max_new_tokens"),
     "temperature < 0": (_bad(temperature=-0.5), "sampling.temperature"),
     "temperature nan": (_bad(temperature=float("nan")), "sampling.temperature"),
     "top_p 0": (_bad(top_p=0.0), "sampling.top_p"),
