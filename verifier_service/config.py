@@ -30,6 +30,7 @@ class VerifierConfig(ServerConfig):
     draft_deadline_ms: float = option(2000.0, "per-step wait for drafts; late sessions verify root-only")
     feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
     kernels: bool = option(True, "run the CUDA kernels on GPU (false: the torch reference path, for debugging)")
+    cuda_graphs: bool = option(True, "replay the GPU forward from CUDA graphs per row bucket (false: eager)")
     collective_timeout_s: float = option(60.0, "a rank's collective waiting longer than this fails the verifier")
 
     def __post_init__(self):

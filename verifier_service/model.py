@@ -120,6 +120,11 @@ class K2Model:
         return (self.use_kernels and kv_cache.is_cuda and kv_cache.dtype == torch.bfloat16
                 and self.cfg.kv_cache_width == MLA_KERNEL_WIDTH)
 
+    def graph_safe(self, kv_cache: torch.Tensor) -> bool:
+        """Whether forward can be captured in a CUDA graph: the kernel path has no host syncs (the
+        reference path's per-session key groups and per-expert loops do)."""
+        return self._kernels_on(kv_cache)
+
     def _check(self, plan: BatchPlan, kv_cache: torch.Tensor, target_layer_ids: Sequence[int]) -> None:
         cfg = self.cfg
         layers, width = cfg.num_hidden_layers, cfg.kv_cache_width

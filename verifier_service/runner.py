@@ -9,11 +9,13 @@ collectives inside the forward line up and the replicated caches stay identical.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from service_kit.logs import get_logger
 from verifier_service import ranks
+from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.model import ForwardOutput, K2Model, identity
 from verifier_service.model_config import K2Config
@@ -51,6 +53,10 @@ class Runner:
             config.kv_cache_mb * 2**20, num_layers=self.cfg.num_hidden_layers, width=self.cfg.kv_cache_width,
             page_size=config.page_size, dtype=self.dtype, device=self.device)
         self.kv_bytes = self.cache.kv.numel() * self.cache.kv.element_size()
+        self.graphs = None
+        if config.cuda_graphs and self.model.graph_safe(self.cache.kv):
+            self.graphs = GraphRunner(self.model, self.cache, max_seqs=config.max_batch,
+                                      max_pages=math.ceil(config.max_context / config.page_size) + 1)
         if self.control is not None and self.info.rank == 0:
             self.cache.on_copy = lambda src, dst: self.control.send((COPY, src, dst))
         self.target_layer_ids: tuple[int, ...] = ()  # set from the drafter's GetInfo
@@ -63,13 +69,18 @@ class Runner:
         """Rank 0: broadcast the plan (CPU tensors), then run it here."""
         if self.control is not None:
             self.control.send((FORWARD, _to(plan, "cpu"), self.target_layer_ids))
-        return self.model.forward(_to(plan, self.device), self.cache.kv, self.target_layer_ids)
+        return self._forward(_to(plan, self.device), self.target_layer_ids)
+
+    def _forward(self, plan: BatchPlan, layer_ids) -> ForwardOutput:
+        if self.graphs is not None and self.graphs.fits(plan):
+            return self.graphs.forward(plan, layer_ids)
+        return self.model.forward(plan, self.cache.kv, layer_ids)
 
     def apply(self, op: tuple) -> None:
         """Ranks 1..N-1: replay one of rank 0's ops."""
         if op[0] == FORWARD:
             _, plan, layer_ids = op
-            self.model.forward(_to(plan, self.device), self.cache.kv, layer_ids)
+            self._forward(_to(plan, self.device), layer_ids)
         elif op[0] == COPY:
             self.cache.copy_rows(op[1], op[2])
         else:
