@@ -1,7 +1,7 @@
 """One direct target forward at world size N through the production rank path (Runner + Control):
 run as N processes with torchrun-style env vars; rank 0 writes fp32 logits to argv[3].
 
-    RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/rank_forward.py MODEL N OUT
+    RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/rank_forward.py MODEL N OUT [split]
 """
 
 import sys
@@ -28,8 +28,10 @@ def plan_for(runner: Runner):
 
 def main() -> int:
     model, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    split = len(sys.argv) > 4 and sys.argv[4] == "split"
     info = ranks.RankInfo.from_env()
-    config = VerifierConfig(model=model, world_size=world, kv_cache_mb=4, page_size=16, dtype="float32")
+    config = VerifierConfig(model=model, world_size=world, kv_cache_mb=4, page_size=16, dtype="float32",
+                            split_replicated=split)
     runner = Runner(config, info if world > 1 else None)
     if runner.info.rank > 0:
         ranks.worker_loop(runner, runner.control)

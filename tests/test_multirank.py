@@ -19,7 +19,7 @@ from ddtree.v1 import generation_pb2 as pb
 pytestmark = pytest.mark.slow
 
 
-def forward_at(model: Path, world: int, out: Path) -> dict:
+def forward_at(model: Path, world: int, out: Path, *extra: str) -> dict:
     port = str(__import__("stack").free_port())
     procs = []
     for r in range(world):
@@ -29,7 +29,7 @@ def forward_at(model: Path, world: int, out: Path) -> dict:
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
                 env.pop(k)
         procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "rank_forward.py"), str(model),
-                                       str(world), str(out)], env=env, cwd=REPO))
+                                       str(world), str(out), *extra], env=env, cwd=REPO))
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -49,6 +49,15 @@ def test_direct_forward_equal_across_world_sizes(tiny_ckpt, tmp_path):
         got = forward_at(tiny_ckpt, world, tmp_path / f"w{world}.pt")
         for key in ("prefill", "tree", "after_commit"):
             assert rel(got[key], ref[key]) < 1e-5, f"world {world} {key}: rel {rel(got[key], ref[key]):.2e}"
+
+
+def test_split_replicated_parts_equal_world_size_1(tiny_ckpt, tmp_path):
+    """Shared experts / dense MLP column-row split and vocab-parallel embedding + head (96 GB cards)."""
+    ref = forward_at(tiny_ckpt, 1, tmp_path / "w1.pt")
+    for world in (2, 3):
+        got = forward_at(tiny_ckpt, world, tmp_path / f"split{world}.pt", "split")
+        for key in ("prefill", "tree", "after_commit"):
+            assert rel(got[key], ref[key]) < 1e-5, f"split world {world} {key}: rel {rel(got[key], ref[key]):.2e}"
 
 
 PROMPTS = [[3, 14, 15, 92, 65], "def main():\n    return", [271, 828, 1828, 459, 45, 235, 36]]

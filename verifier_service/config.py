@@ -29,6 +29,8 @@ class VerifierConfig(ServerConfig):
     max_batch: int = option(64, "sessions decoded together in one step")
     draft_deadline_ms: float = option(2000.0, "per-step wait for drafts; late sessions verify root-only")
     feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
+    split_replicated: bool = option(False, "also split shared experts, dense MLP and embedding/head over the "
+                                    "ranks (96 GB cards); default: replicated on every rank")
     kernels: bool = option(True, "run the CUDA kernels on GPU (false: the torch reference path, for debugging)")
     cuda_graphs: bool = option(True, "replay the GPU forward from CUDA graphs per row bucket (false: eager)")
     collective_timeout_s: float = option(60.0, "a rank's collective waiting longer than this fails the verifier")

@@ -34,10 +34,11 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class TargetWeights:
-    embed_tokens: torch.Tensor  # [V, H]
+    embed_tokens: torch.Tensor  # [V, H], or this rank's vocab rows [vocab_start, vocab_start + V_local)
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H], or the same vocab rows as embed_tokens
+    vocab_start: int = 0  # first vocab row held (vocab-parallel embedding/head)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class K2Model:
         weights: TargetWeights,
         *,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] = identity,
+        all_gather: Callable[[torch.Tensor], torch.Tensor] = identity,  # vocab-parallel logits -> all [R, V]
         use_kernels: bool = False,  # CUDA kernels (kernels/) for tree attention and INT4 experts on GPU
         on_experts: Callable[[int, torch.Tensor], None] | None = None,
     ):
@@ -67,6 +69,8 @@ class K2Model:
         self.cfg = cfg
         self.weights = weights
         self.all_reduce = all_reduce
+        self.all_gather = all_gather
+        self.vocab_parallel = weights.embed_tokens.shape[0] != cfg.vocab_size
         self.use_kernels = use_kernels
         self.on_experts = on_experts  # (layer, topk_ids [T, k]) — e.g. to log distinct experts per layer
         self.dtype = weights.embed_tokens.dtype
@@ -88,7 +92,7 @@ class K2Model:
         kernel_attn = self._kernels_on(kv_cache)
         groups = [] if kernel_attn else key_groups(plan, page_size=kv_cache.shape[2])
         cos, sin = rope_cos_sin(self.inv_freq, plan.positions, cfg.rope_amplitude)  # [T, rope/2]
-        h = F.embedding(plan.token_ids, w.embed_tokens)  # [T, H]
+        h = self._embed(plan.token_ids)  # [T, H]
         hidden_rows = _rows(plan.hidden_rows, plan.num_rows, h.device)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
@@ -106,11 +110,21 @@ class K2Model:
                   else h.new_zeros(len(hidden_rows), 0))
         out_rows = _rows(plan.logit_rows, plan.num_rows, h.device)
         final = rms_norm(h[out_rows], w.norm, cfg.rms_norm_eps)  # [Rl, H]
-        return ForwardOutput(logits=F.linear(final, w.lm_head).float(), hidden=hidden)
+        return ForwardOutput(logits=self.all_gather(F.linear(final, w.lm_head).float()), hidden=hidden)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        if not self.vocab_parallel:
+            return F.embedding(ids, w.embed_tokens)
+        local = ids - w.vocab_start  # rows of other ranks' vocab slices contribute zeros to the sum
+        mine = (local >= 0) & (local < w.embed_tokens.shape[0])
+        rows = F.embedding(local.clamp(0, w.embed_tokens.shape[0] - 1), w.embed_tokens) * mine[:, None]
+        return self.all_reduce(rows)
 
     def _mlp(self, layer: int, x: torch.Tensor, w: MLPWeights | MoEWeights) -> torch.Tensor:
-        if isinstance(w, MLPWeights):
-            return mlp(x, w)  # dense layers are replicated: no reduce
+        if isinstance(w, MLPWeights):  # replicated, or column/row split over ranks (then summed)
+            y = mlp(x, w)
+            return self.all_reduce(y) if w.gate_proj.shape[0] < self.cfg.intermediate_size else y
         observe = None if self.on_experts is None else (lambda ids: self.on_experts(layer, ids))
         return moe_forward(x, w, self.cfg, self.all_reduce, observe, use_kernel=self.use_kernels)
 

@@ -119,12 +119,14 @@ def moe_forward(
     experts = moe_experts_ref
     if use_kernel and kernel_fits(x, w.experts):
         from kernels.moe_w4a16 import moe_w4a16 as experts
-    y = all_reduce(experts(x, topk_ids, topk_weights, w.experts))
-    if w.shared_experts is not None:
-        # Replicated shared expert: added after the reduce so it is counted once. When it is split
-        # column/row-parallel (96 GB cards), its partial output moves inside the reduce instead.
-        y = y + mlp(x, w.shared_experts)
-    return y
+    routed = experts(x, topk_ids, topk_weights, w.experts)
+    shared = w.shared_experts
+    if shared is None:
+        return all_reduce(routed)
+    if shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts:
+        return all_reduce(routed + mlp(x, shared))  # column/row-split shared expert: partial, summed
+    # Replicated shared expert: added after the reduce so it is counted once.
+    return all_reduce(routed) + mlp(x, shared)
 
 
 def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:

@@ -119,6 +119,20 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_gather_columns(sizes: list[int]):
+    """-> f(t [R, sizes[rank]]) = [R, sum(sizes)]: each rank's column block, in rank order (vocab-
+    parallel logits). Blocks are padded to the largest for the collective, then trimmed."""
+    width = max(sizes)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.nn.functional.pad(t, (0, width - t.shape[1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+
+    return gather
+
+
 def worker_loop(runner, control: Control) -> None:
     """Ranks 1..N-1: run rank 0's ops until it says stop (or a collective fails)."""
     log.info("worker_ready", rank=control.info.rank)

@@ -43,10 +43,13 @@ class Runner:
         self.control = None
         if self.info.world_size > 1:
             self.control = ranks.Control(self.info, self.device, config.collective_timeout_s)
+        world = self.info.world_size
+        split = config.split_replicated and world > 1
         weights = load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
-                                      ep_rank=self.info.rank, ep_size=self.info.world_size)
-        reduce = ranks.all_reduce if self.info.world_size > 1 else identity
-        self.model = K2Model(self.cfg, weights, all_reduce=reduce,
+                                      ep_rank=self.info.rank, ep_size=world, split_replicated=split)
+        vocab_sizes = [len(ranks.split_range(self.cfg.vocab_size, r, world)) for r in range(world)]
+        self.model = K2Model(self.cfg, weights, all_reduce=ranks.all_reduce if world > 1 else identity,
+                             all_gather=ranks.all_gather_columns(vocab_sizes) if split else identity,
                              use_kernels=config.kernels and self.device.type == "cuda")
         self.weight_bytes = _nbytes(weights)
         self.cache = PagedKVCache.from_budget(

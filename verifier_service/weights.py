@@ -93,10 +93,13 @@ def load_target_weights(
     ep_rank: int = 0,
     ep_size: int = 1,
     progress: Callable[[LoadProgress], None] | None = None,
+    split_replicated: bool = False,
 ) -> TargetWeights:
     """Validate the checkpoint against `cfg` (default: its own config.json), then load this rank's part:
     routed experts `expert_range(n, ep_rank, ep_size)` and attention heads `head_range(heads, ep_rank,
-    ep_size)` (slices of q_b_proj / kv_b_proj rows and o_proj columns, read without the rest)."""
+    ep_size)` (slices of q_b_proj / kv_b_proj rows and o_proj columns, read without the rest).
+    `split_replicated` also splits the dense and shared MLPs (gate/up rows, down columns) and the
+    embedding / lm_head vocab rows over the ranks (96 GB cards)."""
     cfg = cfg if cfg is not None else K2Config.from_json(model_dir)
     index = CheckpointIndex(model_dir)
     index.open_all()
@@ -110,11 +113,25 @@ def load_target_weights(
     heads = split_range(cfg.num_attention_heads, ep_rank, ep_size)
     reader = _Reader(index, stored, torch.device(device), progress or LogProgress())
     reader.plan([n for n in expected if _wanted(n, experts)])
-    layers = tuple(_layer(reader, cfg, i, experts, heads, dtype) for i in range(cfg.num_hidden_layers))
-    embed = reader.get("model.embed_tokens.weight", dtype)
-    head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", dtype)
+    split = Split(ep_rank, ep_size) if split_replicated else None
+    layers = tuple(_layer(reader, cfg, i, experts, heads, dtype, split) for i in range(cfg.num_hidden_layers))
+    vocab = split.of(cfg.vocab_size) if split else None
+    embed = reader.get("model.embed_tokens.weight", dtype, rows=vocab)
+    head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", dtype, rows=vocab)
     norm = reader.get("model.norm.weight", dtype)
-    return TargetWeights(embed_tokens=embed, layers=layers, norm=norm, lm_head=head)
+    return TargetWeights(embed_tokens=embed, layers=layers, norm=norm, lm_head=head,
+                         vocab_start=vocab.start if vocab else 0)
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's share of a dimension split over ranks (contiguous, as even as possible)."""
+
+    rank: int
+    size: int
+
+    def of(self, n: int) -> range:
+        return split_range(n, self.rank, self.size)
 
 
 def expected_shapes(cfg: K2Config, int4_linears: set[str]) -> dict[str, tuple[int, ...]]:
@@ -256,11 +273,13 @@ def _attention(r: _Reader, cfg: K2Config, a: str, heads: range, dtype: torch.dty
         o_proj=r.get(a + "o_proj.weight", dtype, cols=per_head(cfg.v_head_dim)))
 
 
-def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtype: torch.dtype) -> LayerWeights:
+def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtype: torch.dtype,
+           split: Split | None) -> LayerWeights:
     p = f"model.layers.{i}."
     attn = _attention(r, cfg, p + "self_attn.", heads, dtype)
     if cfg.is_moe_layer(i):
-        shared = _mlp(r, p + "mlp.shared_experts.", dtype) if cfg.n_shared_experts else None
+        inter = split.of(cfg.moe_intermediate_size * cfg.n_shared_experts) if split else None
+        shared = _mlp(r, p + "mlp.shared_experts.", dtype, inter) if cfg.n_shared_experts else None
         mlp: MLPWeights | MoEWeights = MoEWeights(
             gate=r.get(p + "mlp.gate.weight", torch.float32),
             e_score_correction_bias=r.get(p + "mlp.gate.e_score_correction_bias", torch.float32),
@@ -268,7 +287,7 @@ def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtyp
             shared_experts=shared,
         )
     else:
-        mlp = _mlp(r, p + "mlp.", dtype)
+        mlp = _mlp(r, p + "mlp.", dtype, split.of(cfg.intermediate_size) if split else None)
     return LayerWeights(
         input_layernorm=r.get(p + "input_layernorm.weight", dtype),
         self_attn=attn,
@@ -277,8 +296,11 @@ def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtyp
     )
 
 
-def _mlp(r: _Reader, p: str, dtype: torch.dtype) -> MLPWeights:
-    return MLPWeights(*(r.get(f"{p}{k}.weight", dtype) for k in EXPERT_PROJS))
+def _mlp(r: _Reader, p: str, dtype: torch.dtype, inter: range | None = None) -> MLPWeights:
+    """SwiGLU weights; `inter` = this rank's intermediate rows (gate/up rows, down columns)."""
+    return MLPWeights(r.get(p + "gate_proj.weight", dtype, rows=inter),
+                      r.get(p + "up_proj.weight", dtype, rows=inter),
+                      r.get(p + "down_proj.weight", dtype, cols=inter))
 
 
 def _experts(r: _Reader, p: str, cfg: K2Config, experts: range) -> ExpertStack:
