@@ -31,14 +31,14 @@ COMPOSE_FILE = HERE / "docker-compose.yml"
 DEPLOYMENT: dict[str, tuple[str, str]] = {
     "DDTREE_VERIFIER_KV_CACHE_MB": (
         "32768",
-        "H200 = 143,771 MiB (150.75 GB). Rank 0 holds 96.34 GB of weights + up to 11.27 GB of drafter feature "
-        "rows; 32 GiB (34.36 GB) of latent KV = 488,896 tokens (7,639 pages × 64 × 70,272 B, on every rank) "
+        "H200 = 143,771 MiB (150.75 GB). Rank 0 holds 96.34 GB of weights; "
+        "32 GiB (34.36 GB) of latent KV = 488,896 tokens (7,639 pages × 64 × 70,272 B, on every rank) "
         "leaves 8.8 GB for the CUDA context, NCCL, activations and CUDA graphs. Lower it if rank 0 runs out."),
     "DDTREE_VERIFIER_FEATURE_WINDOW": (
         "2048",
-        "Rows are bf16 [6·7168] = 86,016 B, kept on rank 0's GPU: 64 sessions × 2048 = 11.27 GB (4096: 22.5 GB). "
-        "A drafter reset resends the window: 2048 rows = 168 MiB, under the 256 MiB limit of the verifier's "
-        "drafter channel (4096 rows would be 336 MiB and fail)."),
+        "Rows are bf16 [6·7168] = 86,016 B, kept in rank 0's host memory: 64 sessions × 2048 = 11.27 GB "
+        "(4096: 22.5 GB). A drafter reset resends the window: 2048 rows = 168 MiB per session, within the "
+        "512 MiB message limits of the verifier's drafter channel and the drafter."),
     "DDTREE_DRAFTER_MAX_MESSAGE_MB": (
         "512",
         "Propose carries 86,016 B per new feature row: 64 sessions × up to 17 rows ≈ 94 MB per step, a reset "

@@ -16,6 +16,7 @@ class DrafterConfig(ServerConfig):
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
     max_tree_budget: int = option(256, "largest tree_budget accepted")
     window: int = option(4096, "context rows attended per session (sliding window; 0 = unlimited)")
+    max_message_mb: int = option(512, "largest gRPC message, MiB (a resync carries up to `window` feature rows)")
     cache_mb: int = option(256, "drafter KV cache budget in MiB; least recently used sessions are evicted")
 
     def __post_init__(self):

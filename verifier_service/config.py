@@ -29,6 +29,8 @@ class VerifierConfig(ServerConfig):
     max_batch: int = option(64, "sessions decoded together in one step")
     draft_deadline_ms: float = option(2000.0, "per-step wait for drafts; late sessions verify root-only")
     feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
+    drafter_max_message_mb: int = option(512, "message size limit towards the drafters, MiB (a resync "
+                                         "resends the window: 4096 rows of K2.6 features are 336 MiB)")
     split_replicated: bool = option(False, "also split shared experts, dense MLP and embedding/head over the "
                                     "ranks (96 GB cards); default: replicated on every rank")
     kernels: bool = option(True, "run the CUDA kernels on GPU (false: the torch reference path, for debugging)")

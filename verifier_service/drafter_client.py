@@ -63,14 +63,19 @@ def expand_targets(targets: tuple[str, ...]) -> list[str]:
             out.append(t)
             continue
         host, _, port = t[len("dns:///"):].rpartition(":")
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as e:  # no replica up yet (compose starts them independently)
+            log.warning("drafter_dns_unresolved", target=t, error=str(e))
+            continue
         out.extend(sorted({f"{i[4][0]}:{port}" if ":" not in i[4][0] else f"[{i[4][0]}]:{port}" for i in infos}))
     return out
 
 
 class DrafterClient:
-    def __init__(self, targets: tuple[str, ...], *, deadline_s: float, max_message_mb: int = 256,
-                 probe_period_s: float = 1.0):
+    def __init__(self, targets: tuple[str, ...], *, deadline_s: float, max_message_mb: int = 512,
+                 probe_period_s: float = 1.0, resolve_period_s: float = 10.0):
+        self.targets, self.resolve_period_s = targets, resolve_period_s
         self.deadline_s = deadline_s
         self.options = channel_options(max_message_mb)
         self.replicas: dict[str, Replica] = {}
@@ -90,7 +95,15 @@ class DrafterClient:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.replicas)
+        return bool(self.targets)
+
+    def _resolve(self) -> None:
+        """Re-resolve dns:/// targets: replicas added (or re-created with a new address) join."""
+        for address in expand_targets(self.targets):
+            if address not in self.replicas:
+                log.info("drafter_discovered", replica=address)
+                with self.lock:
+                    self._add(address)
 
     def route(self, session_id: str) -> Replica | None:
         """Sticky replica of a session; a new or orphaned session goes to the least-loaded healthy one."""
@@ -155,7 +168,11 @@ class DrafterClient:
             fut.add_done_callback(self._releasing.discard)
 
     def _probe_loop(self, period_s: float, targets: tuple[str, ...]) -> None:
+        last_resolve = time.monotonic()
         while not self._stop.wait(period_s):
+            if time.monotonic() - last_resolve > self.resolve_period_s:
+                self._resolve()
+                last_resolve = time.monotonic()
             for r in list(self.replicas.values()):
                 ok = _serving(r.health)
                 if ok != r.healthy:

@@ -199,7 +199,7 @@ class Engine:
 
     def _after_prefill(self, s: Session, job, hidden, logits) -> None:
         if hidden is not None and s.features_on:
-            s.features.append(job["start"], hidden)
+            s.features.append(job["start"], hidden.cpu())  # host copy: feature rings stay off the GPU
         s.prefilled += job["n"]
         if logits is None:
             return
@@ -211,7 +211,7 @@ class Engine:
         walk, logprobs = accept_session(s, job["tokens"], job["parents"], logits)
         self.cache.commit(s.id, walk.accepted_rows)
         if hidden is not None and s.features_on:
-            s.features.append(length, hidden[walk.accepted_rows])
+            s.features.append(length, hidden[walk.accepted_rows].cpu())
         drafted = len(job["tokens"])
         s.stats.record(len(walk.accepted_rows) - 1, drafted)
         metrics.observe_acceptance(len(walk.accepted_rows), drafted)
@@ -255,5 +255,6 @@ def build_engine(config, info=None) -> Engine:
     from verifier_service.runner import Runner
 
     runner = Runner(config, info)
-    drafters = DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000) if config.drafter else None
+    drafters = (DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000,
+                              max_message_mb=config.drafter_max_message_mb) if config.drafter else None)
     return Engine(runner, config, drafters)
