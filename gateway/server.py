@@ -77,7 +77,11 @@ async def follow_verifier(gateway: Gateway, lifecycle: Lifecycle, period_s: floa
         await asyncio.sleep(period_s)
         now = await gateway.verifier_serving()
         if now and not was:
-            await gateway.connect(timeout_s=10)
+            try:
+                await gateway.connect(timeout_s=10)
+            except Exception as e:  # keep following; the next period tries again
+                log.warning("verifier_reconnect_failed", error=repr(e))
+                continue
         if now != was:
             log.warning("verifier_health_changed", serving=now)
             await lifecycle.set_serving(now)
