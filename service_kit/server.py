@@ -10,6 +10,7 @@ Drain: SIGTERM → health NOT_SERVING → new calls get UNAVAILABLE → in-fligh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -122,37 +123,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         log.exception("rpc_failed", method=method)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
+    @contextlib.asynccontextmanager
+    async def _guard(self, request, context, method: str):
+        """Admission while draining, in-flight accounting, request_id in the log context, error mapping."""
+        await self._admit(context)
+        self.lifecycle.enter()
+        rid = getattr(request, "request_id", "") or None
+        try:
+            with structlog.contextvars.bound_contextvars(request_id=rid, method=method):
+                yield
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            await self._fail(context, method, e)
+        finally:
+            self.lifecycle.exit()
+
     def _wrap_unary(self, behavior, method):
         async def wrapper(request, context):
-            await self._admit(context)
-            self.lifecycle.enter()
-            rid = getattr(request, "request_id", "") or None
-            try:
-                with structlog.contextvars.bound_contextvars(request_id=rid, method=method):
-                    return await behavior(request, context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as e:
-                await self._fail(context, method, e)
-            finally:
-                self.lifecycle.exit()
+            async with self._guard(request, context, method):
+                return await behavior(request, context)
         return wrapper
 
     def _wrap_stream(self, behavior, method):
         async def wrapper(request, context):
-            await self._admit(context)
-            self.lifecycle.enter()
-            rid = getattr(request, "request_id", "") or None
-            try:
-                with structlog.contextvars.bound_contextvars(request_id=rid, method=method):
-                    async for response in behavior(request, context):
-                        yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as e:
-                await self._fail(context, method, e)
-            finally:
-                self.lifecycle.exit()
+            async with self._guard(request, context, method):
+                async for response in behavior(request, context):
+                    yield response
         return wrapper
 
 
