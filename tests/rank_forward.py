@@ -1,7 +1,7 @@
 """One direct target forward at world size N through the production rank path (Runner + Control):
 run as N processes with torchrun-style env vars; rank 0 writes fp32 logits to argv[3].
 
-    RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/rank_forward.py MODEL N OUT [split]
+    RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/rank_forward.py MODEL N OUT [split] [cuda]
 """
 
 import sys
@@ -28,10 +28,11 @@ def plan_for(runner: Runner):
 
 def main() -> int:
     model, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    split = len(sys.argv) > 4 and sys.argv[4] == "split"
+    split = "split" in sys.argv[4:]
+    device = "cuda" if "cuda" in sys.argv[4:] else "cpu"
     info = ranks.RankInfo.from_env()
     config = VerifierConfig(model=model, world_size=world, kv_cache_mb=4, page_size=16, dtype="float32",
-                            split_replicated=split)
+                            split_replicated=split, device=device)
     runner = Runner(config, info if world > 1 else None)
     if runner.info.rank > 0:
         ranks.worker_loop(runner, runner.control)
@@ -49,7 +50,7 @@ def main() -> int:
     t.scratch("a", 1)
     plan3 = build_plan([SeqRows([99], [-1], 23, t.pages("a"), t.scratch_slots("a"))])
     logits3 = runner.forward(plan3).logits
-    torch.save({"prefill": logits, "tree": logits2, "after_commit": logits3}, out)
+    torch.save({"prefill": logits.cpu(), "tree": logits2.cpu(), "after_commit": logits3.cpu()}, out)
     runner.shutdown()
     return 0
 

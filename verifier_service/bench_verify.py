@@ -15,7 +15,8 @@ import random
 import torch
 
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service.model import K2Model
+from verifier_service import ranks
+from verifier_service.model import K2Model, identity
 from verifier_service.plan import SeqRows, build_plan, tree_parents
 from verifier_service.ranks import split_range
 from verifier_service.synthetic import k26_config, random_target
@@ -83,21 +84,37 @@ def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: rand
     return build_plan([seq], device="cuda")
 
 
+def setup_ranks(ep_size: int):
+    """Under torchrun (RANK set): NCCL ranks, each holding its own slice -> (rank, world, all_reduce).
+    Otherwise one GPU simulating rank 0 of `ep_size` without collectives."""
+    info = ranks.RankInfo.from_env()
+    if info is None:
+        return 0, ep_size, identity
+    torch.cuda.set_device(info.local_rank)
+    torch.distributed.init_process_group("nccl", rank=info.rank, world_size=info.world_size)
+    return info.rank, info.world_size, ranks.all_reduce
+
+
 def main(args) -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     cfg = k26_config(args.layers)
-    experts, heads = split_range(cfg.n_routed_experts, 0, args.ep_size), split_range(cfg.num_attention_heads, 0, args.ep_size)
-    weights = random_target(cfg, experts=experts, heads=heads)
-    fast, ref = K2Model(cfg, weights, use_kernels=True), K2Model(cfg, weights, use_kernels=False)
+    rank, world, reduce = setup_ranks(args.ep_size)
+    experts = split_range(cfg.n_routed_experts, rank, world)
+    heads = split_range(cfg.num_attention_heads, rank, world)
+    weights = random_target(cfg, experts=experts, heads=heads)  # same seed: replicated parts agree
+    fast = K2Model(cfg, weights, use_kernels=True, all_reduce=reduce)
+    ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce)
+    say = print if rank == 0 else (lambda *a, **k: None)
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, width=cfg.kv_cache_width, page_size=64,
                          num_pages=math.ceil(args.prefix / 64) + 4, dtype=torch.bfloat16, device="cuda")
     cache.table.open("s")
     cache.table.extend("s", args.prefix)
     cache.kv.normal_()
     bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {args.ep_size}: "
-          f"{len(experts)} experts, {len(heads)} heads, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
-    print(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11}")
+    collectives = "NCCL all-reduces" if world > 1 and reduce is not identity else "no collectives"
+    say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
+        f"{len(experts)} experts, {len(heads)} heads, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
+    say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11}")
     rng, out_rows = random.Random(0), []
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng)
@@ -111,11 +128,12 @@ def main(args) -> int:
         reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
         floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix) / bw
         row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
-                   layers=args.layers, ep_size=args.ep_size, prefix=args.prefix, gpu=torch.cuda.get_device_name())
+                   layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,
+                   prefix=args.prefix, gpu=torch.cuda.get_device_name())
         out_rows.append(row)
-        print(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
+        say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
               f"{floor:>9.3f} {replay / floor:>11.2f}")
-    if args.out:
+    if args.out and rank == 0:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in out_rows)
     return 0
