@@ -45,6 +45,7 @@ class EngineOptions:
     page_size: int = 64  # context rows per pool page
     max_tree_budget: int = 1024  # largest tree_budget accepted
     max_inject_rows: int = 8192  # rows per fc/k/v pass, bounds activation memory on long prefills
+    use_kernels: bool = True  # on CUDA: kernels/ddtree_build (device top-K + tree) when k <= 64
 
     def __post_init__(self):
         if self.window is not None and self.window <= 0:
@@ -248,6 +249,8 @@ class DrafterEngine:
         logits = self.model.logits(hidden[:, 1:])  # [B, B-1, V]; slot 0 (the anchor) predicts nothing
         ks = [1 if item.mode == DraftMode.CHAIN else min(item.tree_budget, self.model.vocab_size)
               for _, item, _ in work]
+        if self._device_trees(work, ks):
+            return self._draft_on_device(work, logits)
         ids, logprobs = topk_logprobs(logits, max(ks))  # [B, B-1, K_max] on the host
         proposals = []
         for b, ((_, item, plan), k) in enumerate(zip(work, ks)):
@@ -256,6 +259,27 @@ class DrafterEngine:
             extra = (ids[b, :, :k].copy(), logprobs[b, :, :k].copy()) if item.return_draft_logprobs else (None, None)
             proposals.append(Proposal(item.session_id, tree, plan.length, *extra))
         return proposals
+
+
+    def _device_trees(self, work, ks: list[int]) -> bool:
+        """The CUDA builder takes one (k, budget) for the batch, k <= 64, and returns no top-K tables."""
+        budgets = {self.cfg.horizon if item.mode == DraftMode.CHAIN else item.tree_budget for _, item, _ in work}
+        return (self.options.use_kernels and self.device.type == "cuda" and len(set(ks)) == 1 and ks[0] <= 64
+                and len(budgets) == 1 and not any(item.return_draft_logprobs for _, item, _ in work))
+
+    def _draft_on_device(self, work, logits: torch.Tensor) -> list[Proposal]:
+        """kernels/ddtree_build: per-depth log-softmax + top-K and the best-first tree on the GPU;
+        only the trees cross to the host (same trees as tree.build_tree, ties included)."""
+        from kernels.ddtree_build import ddtree_build
+
+        item0 = work[0][1]
+        chain = item0.mode == DraftMode.CHAIN
+        k = 1 if chain else min(item0.tree_budget, self.model.vocab_size)
+        budget = self.cfg.horizon if chain else item0.tree_budget
+        tokens, parents, depths, count = (t.cpu().numpy() for t in ddtree_build(logits.contiguous(), k, budget))
+        return [Proposal(item.session_id, Tree(tokens[b, :n].copy(), parents[b, :n].copy(), depths[b, :n].copy()),
+                         plan.length)
+                for b, ((_, item, plan), n) in enumerate(zip(work, count.tolist()))]
 
 
 def _is_int(x) -> bool:

@@ -89,7 +89,7 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
 
 def load_engine(config: DrafterConfig) -> DrafterEngine:
     options = EngineOptions(cache_bytes=config.cache_mb * 2**20, window=config.window or None,
-                            max_tree_budget=config.max_tree_budget)
+                            max_tree_budget=config.max_tree_budget, use_kernels=config.kernels)
     return DrafterEngine.load(config.model, config.target_model, device=config.device,
                               dtype=DTYPES[config.dtype], options=options)
 

@@ -140,6 +140,8 @@ class PagedKVCache:
         self.kv = torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
         # Multi-rank: rank 0 forwards each commit's copy to the other ranks' replicated caches.
         self.on_copy: Callable[[list[int], list[int]], None] | None = None
+        # kernels/kv_commit on CUDA (rows must be whole 16-byte pieces); set by the runner's flag.
+        self.use_kernel = False
 
     @classmethod
     def from_budget(cls, budget_bytes: int, *, num_layers: int, width: int, page_size: int,
@@ -175,6 +177,11 @@ class PagedKVCache:
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """kv[:, dst[i]] = kv[:, src[i]] in every layer (sources never alias destinations)."""
-        flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [L, slots, width]
         idx = lambda s: torch.as_tensor(list(s), dtype=torch.int64, device=self.kv.device)  # noqa: E731
+        if self.use_kernel:
+            from kernels.kv_commit import kv_commit
+
+            kv_commit(self.kv, idx(src), idx(dst))  # one launch over all layers
+            return
+        flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [L, slots, width]
         flat[:, idx(dst)] = flat[:, idx(src)]

@@ -56,6 +56,8 @@ class Runner:
             config.kv_cache_mb * 2**20, num_layers=self.cfg.num_hidden_layers, width=self.cfg.kv_cache_width,
             page_size=config.page_size, dtype=self.dtype, device=self.device)
         self.kv_bytes = self.cache.kv.numel() * self.cache.kv.element_size()
+        self.cache.use_kernel = (config.kernels and self.device.type == "cuda"
+                                 and self.cfg.kv_cache_width * self.cache.kv.element_size() % 16 == 0)
         self.graphs = None
         if config.cuda_graphs and self.model.graph_safe(self.cache.kv):
             self.graphs = GraphRunner(self.model, self.cache, max_seqs=config.max_batch,
