@@ -19,6 +19,9 @@ SERVICES = {
 }
 
 
+TOOLS = ("kernels", "bench", "health", "make-tiny")
+
+
 def _import(module: str):
     import importlib
     return importlib.import_module(module)
@@ -55,7 +58,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     from service_kit import launcher, client, tools
     launcher.add_parser(sub)
     client.add_parser(sub)
-    tools.add_parsers(sub)
+    if wanted in SERVICES:  # tools import torch at parser-build time: list them without building
+        for name in TOOLS:
+            sub.add_parser(name)
+    else:
+        tools.add_parsers(sub)
     return parser
 
 

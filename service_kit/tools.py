@@ -48,6 +48,7 @@ def _health_cmd(args) -> int:
 
 def add_parsers(sub) -> None:
     from kernels import cli as kernels_cli  # light imports: no torch until a command runs
+    from tools import bench_spec
     from verifier_service import bench_verify
 
     kernels_cli.add_parser(sub)
@@ -55,6 +56,7 @@ def add_parsers(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     kernels_cli.add_bench_parser(bsub)
     bench_verify.add_parser(bsub)
+    bench_spec.add_parser(bsub)
     p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 iff SERVING)")
     p.add_argument("--address", default="localhost:50051")
     p.add_argument("--service", default="", help="e.g. ddtree.v1.Generation ('' = process liveness)")

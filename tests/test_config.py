@@ -51,3 +51,14 @@ def test_cli_dry_run_matches_flags(capsys):
     assert main(["drafter", "--model", "d", "--target-model", "t", "--window", "128", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "window=128" in out and "target_model='t'" in out
+
+
+def test_gateway_command_never_imports_torch():
+    """The gateway runs on CPU-only images: `ddtree gateway` must not pull torch in."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from service_kit.cli import main; "
+            "main(['gateway', '--model', 'm', '--dry-run']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False"), out
