@@ -119,13 +119,28 @@ class Gateway:
             yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=c.token_ids, text=text, logprobs=c.logprobs,
                                                      num_verify_steps=c.num_verify_steps))
             if matched is not None:
-                call.cancel()
+                spec = await self._stop_generation(job, call)
                 yield pb.GenerateResponse(final=pb.Final(
-                    finish_reason=pb.FINISH_REASON_STOP, matched_stop=matched,
+                    finish_reason=pb.FINISH_REASON_STOP, matched_stop=matched, spec_stats=spec,
                     usage=pb.Usage(prompt_tokens=len(job.request.prompt_ids),
                                    completion_tokens=detok.num_tokens)))
                 return
         raise Unavailable("verifier stream ended without a final message")
+
+    async def _stop_generation(self, job: Job, call, timeout_s: float = 2.0) -> pb.SpecStats | None:
+        """A stop string matched: cancel the session (within one step) and take the speculative stats
+        from the verifier's closing message; without them in time, just drop the stream."""
+        try:
+            await self.verifier.Cancel(vpb.CancelRequest(request_id=job.request.request_id), timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                async for msg in call:
+                    if msg.HasField("final"):
+                        return msg.final.spec_stats
+        except (grpc.aio.AioRpcError, TimeoutError):
+            pass
+        finally:
+            call.cancel()
+        return None
 
 
 def _observe_latency(last: float | None, t0: float, now: float, n: int) -> None:

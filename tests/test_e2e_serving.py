@@ -245,3 +245,17 @@ def test_admission_limit_rejects_the_excess(idle):
         assert len(generate(stub, gen_request(PROMPTS[0], 3)).ids) == 3
     finally:
         gw.kill()
+
+
+def test_stop_string_truncates_text_and_reports_stats(idle, ar_refs):
+    """A stop string taken from the AR text: output is the AR text cut before its first occurrence,
+    `matched_stop` names it, and the speculative stats come from the cancelled session."""
+    ref = next(r for r in ar_refs if len(r.text) > 30)
+    stop = ref.text[20:24]
+    cut = ref.text.index(stop)
+    req = gen_request(PROMPTS[ar_refs.index(ref)], N, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    req.stopping.stop.append(stop)
+    r = generate(idle.generation, req)
+    assert r.text == ref.text[:cut]
+    assert r.final.finish_reason == pb.FINISH_REASON_STOP and r.final.matched_stop == stop
+    assert r.final.spec_stats.verify_steps > 0 and r.final.spec_stats.mode == pb.SPEC_MODE_DDTREE
