@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools import bench_spec
+from tools import bench_spec, spec_plot
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_builtin_rasterizer_writes_png(tmp_path):
                "speedup_vs_ar": 1.4} for b in (4, 8, 16)]]
     series = {("in_process", 0.0): {"ddtree": [(r["budget"], r["tau"], r["speedup_vs_ar"]) for r in rows[1:]],
                                     "chain": (2.0, 1.5)}}
-    bench_spec._plot_raster(series, tmp_path / "r.png")
+    spec_plot._plot_raster(series, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 

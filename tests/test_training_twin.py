@@ -93,9 +93,10 @@ def test_checkpoint_tensors_round_trip():
 
 
 def test_drafter_training_forward_equals_service_draft():
-    """tools.train_drafter.block_logits (all anchors at once, training masks) gives, for each anchor, the
+    """tools.drafter_objective.block_logits (all anchors at once, training masks) gives, for each anchor, the
     logits drafter_service computes for a root at that position with the context before it injected."""
-    from tools.train_drafter import block_logits, drafter_config, new_drafter
+    from tools.drafter_objective import block_logits
+    from tools.train_drafter import drafter_config, new_drafter
 
     cfg = small_cfg()
     twin = random_twin(cfg)

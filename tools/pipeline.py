@@ -87,8 +87,8 @@ def _run(a, work: Path, model: Path, out: Path, log) -> int:
     def save_results() -> None:
         results_path.write_text(json.dumps(results, indent=2) + "\n")
 
-    from tools import corpus, train_drafter, train_target, train_tokenizer
-    from tools.bench_spec import CHAIN, DDTREE, AR, InProcessPair, heldout_prompts, mode_list, run_in_process, summary
+    from tools import corpus, train_tokenizer
+    from tools.bench_spec import heldout_prompts
 
     results["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     results["torch"] = torch.__version__
@@ -110,42 +110,18 @@ def _run(a, work: Path, model: Path, out: Path, log) -> int:
     save_results()
     # 3. target
     if not (model / "config.json").exists():
-        twin, info = train_target.train(corpus_dir=corpus_dir, tokenizer_dir=model, work_dir=work, device=a.device,
-                                        time_budget_s=a.target_s, max_steps=a.target_steps, batch=a.batch,
-                                        seq=a.seq, text_overrides=a.target_overrides, log=log)
-        info["export"] = train_target.export_and_evaluate(twin, model, work, corpus_dir,
-                                                          train_target.num_regular_ids(model), device=a.device,
-                                                          seq=a.seq, log=log)
-        results["target"] = info
+        results["target"] = _train_target(a, work, model, corpus_dir, log)
         save_results()
-        del twin
-        if a.device.startswith("cuda"):
-            torch.cuda.empty_cache()
     # 4. drafters
     drafters = work / "drafters"
     labels = ("corpus", "target")
     if not all((drafters / k / "config.json").exists() for k in labels):
-        results["drafter"] = train_drafter.train(target_dir=model, corpus_dir=corpus_dir, work_dir=work,
-                                                 out_dir=drafters, labels=labels, device=a.device,
-                                                 time_budget_s=a.drafter_s, max_steps=a.drafter_steps,
-                                                 batch=a.drafter_batch, seq=a.seq, overrides=a.drafter_overrides,
-                                                 log=log)
+        results["drafter"] = _train_drafters(a, work, model, corpus_dir, drafters, labels, log)
         save_results()
-        if a.device.startswith("cuda"):
-            torch.cuda.empty_cache()
     # 5. pick the drafter by real greedy chain τ on held-out prompts
     prompts = heldout_prompts(model, max(a.pick_prompts, a.bench_prompts), 128)
     if "pick" not in results:
-        pick = {}
-        for k in labels:
-            pair = InProcessPair(model, drafters / k, device=a.device)
-            rows = run_in_process(pair, prompts[: a.pick_prompts], modes=mode_list([CHAIN, DDTREE], [16]),
-                                  temperatures=[0.0], max_new=a.max_new, seed=0, log=lambda s, k=k: log(f"[{k}] {s}"))
-            pick[k] = {r["name"]: r["tau"] for r in rows}
-            del pair
-        best = max(labels, key=lambda k: (pick[k]["chain"], pick[k]["ddtree-16"]))
-        results["pick"] = {"tau": pick, "chosen": best}
-        log(f"drafter labels: {pick} -> {best}")
+        results["pick"] = _pick_drafter(a, model, drafters, labels, prompts[: a.pick_prompts], log)
         save_results()
     best = results["pick"]["chosen"]
     if (model / "drafter").exists():
@@ -155,14 +131,66 @@ def _run(a, work: Path, model: Path, out: Path, log) -> int:
     log(f"packed {[f'{q.name} {q.stat().st_size / 2**20:.1f} MiB' for q in parts]}")
     # 6. quick bench (greedy), within its time
     if "bench" not in results:
-        pair = InProcessPair(model, model / "drafter", device=a.device)
-        rows = run_in_process(pair, prompts[: a.bench_prompts], modes=mode_list([AR, CHAIN, DDTREE], [4, 8, 16, 32, 64]),
-                              temperatures=[0.0], max_new=a.max_new, seed=0, log=log,
-                              deadline=time.monotonic() + a.bench_s)
-        results["bench"] = {"prompts": a.bench_prompts, "max_new": a.max_new, "rows": rows, "summary": summary(rows)}
+        results["bench"] = _quick_bench(a, model, prompts[: a.bench_prompts], log)
         save_results()
     log(f"done: {json.dumps(results.get('bench', {}).get('summary', {}))}")
     return 0
+
+
+def _train_target(a, work: Path, model: Path, corpus_dir: Path, log) -> dict:
+    """Train, export (INT4) into the model dir and evaluate the target; the twin is freed after."""
+    from tools import train_target
+
+    twin, info = train_target.train(corpus_dir=corpus_dir, tokenizer_dir=model, work_dir=work, device=a.device,
+                                    time_budget_s=a.target_s, max_steps=a.target_steps, batch=a.batch,
+                                    seq=a.seq, text_overrides=a.target_overrides, log=log)
+    info["export"] = train_target.export_and_evaluate(twin, model, work, corpus_dir,
+                                                      train_target.num_regular_ids(model), device=a.device,
+                                                      seq=a.seq, log=log)
+    del twin
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return info
+
+
+def _train_drafters(a, work: Path, model: Path, corpus_dir: Path, drafters: Path, labels: tuple[str, ...],
+                    log) -> dict:
+    from tools import train_drafter
+
+    info = train_drafter.train(target_dir=model, corpus_dir=corpus_dir, work_dir=work, out_dir=drafters,
+                               labels=labels, device=a.device, time_budget_s=a.drafter_s,
+                               max_steps=a.drafter_steps, batch=a.drafter_batch, seq=a.seq,
+                               overrides=a.drafter_overrides, log=log)
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return info
+
+
+def _pick_drafter(a, model: Path, drafters: Path, labels: tuple[str, ...], prompts: list[dict], log) -> dict:
+    """Greedy in-process τ of CHAIN and DDTREE-16 per drafter; the higher chain τ (then tree τ) wins."""
+    from tools.bench_spec import CHAIN, DDTREE, InProcessPair, mode_list, run_in_process
+
+    pick = {}
+    for k in labels:
+        pair = InProcessPair(model, drafters / k, device=a.device)
+        rows = run_in_process(pair, prompts, modes=mode_list([CHAIN, DDTREE], [16]),
+                              temperatures=[0.0], max_new=a.max_new, seed=0, log=lambda s, k=k: log(f"[{k}] {s}"))
+        pick[k] = {r["name"]: r["tau"] for r in rows}
+        del pair
+    best = max(labels, key=lambda k: (pick[k]["chain"], pick[k]["ddtree-16"]))
+    log(f"drafter labels: {pick} -> {best}")
+    return {"tau": pick, "chosen": best}
+
+
+def _quick_bench(a, model: Path, prompts: list[dict], log) -> dict:
+    """Greedy AR / CHAIN / DDTREE over budgets 4..64, no mode started after `--bench-s` seconds."""
+    from tools.bench_spec import AR, CHAIN, DDTREE, InProcessPair, mode_list, run_in_process, summary
+
+    pair = InProcessPair(model, model / "drafter", device=a.device)
+    rows = run_in_process(pair, prompts, modes=mode_list([AR, CHAIN, DDTREE], [4, 8, 16, 32, 64]),
+                          temperatures=[0.0], max_new=a.max_new, seed=0, log=log,
+                          deadline=time.monotonic() + a.bench_s)
+    return {"prompts": a.bench_prompts, "max_new": a.max_new, "rows": rows, "summary": summary(rows)}
 
 
 def pack(model: Path, drafters: Path, best: str, out: Path, part_mb: float) -> list[Path]:

@@ -1,20 +1,13 @@
 """Train DFlash drafters for the tiny target, on the frozen target's features (reference/ddtree.md §1.10).
 
 The drafter is drafter_service's own DFlashDrafter module (same parameters, rope and attention code
-that serve it), fed the target's features the way the service injects them. Objective, per training
-window of `seq` corpus tokens:
-- the frozen target (training twin with the exported INT4 experts dequantized, bf16 autocast) gives
-  the outputs of `target_layer_ids` at every position and its own greedy next tokens;
-- `--anchors` random anchor positions a ∈ [1, seq − block]; each anchor makes a block
-  [x_a, mask × (block − 1)] at positions a .. a + block − 1;
-- every block's queries attend to the fused context features (fc → hidden_norm → per-layer k_norm'd,
-  rotated K and V) at positions < a, plus their own block (bidirectional) — exactly the service's
-  attention at a root at position a;
-- slot k (1 … block − 1) is scored by cross-entropy against a label at position a + k, weighted by
-  exp(−(k − 1)/γ). Labels: `corpus` = the corpus token; `target` = the target's greedy token there
-  (its argmax given the corpus prefix up to a + k − 1).
-`--labels corpus,target` trains one drafter per label kind on the same batches (one target forward
-per step) and writes each to OUT/<label>/. Resumable from `--work DIR/drafter_train.pt`.
+that serve it), fed the target's features the way the service injects them. Objective
+(tools/drafter_objective.py): `--anchors` blocks [x_a, mask × (block − 1)] per window of `seq` corpus
+tokens, attending to the frozen target's features before their anchor a, slot k scored by
+cross-entropy against the label at a + k, weighted by exp(−(k − 1)/γ); labels `corpus` (the corpus
+token) or `target` (the target's greedy token). `--labels corpus,target` trains one drafter per label
+kind on the same batches (one target forward per step) and writes each to OUT/<label>/. Resumable
+from `--work DIR/drafter_train.pt`.
 
 Saved as a released DFlash checkpoint (drafter_service/tiny_checkpoint.py layout: config.json with
 block_size, dflash_config.{target_layer_ids, mask_token_id}, YaRN rope; bf16 model.safetensors with
@@ -34,9 +27,7 @@ if __package__ in (None, ""):  # `python tools/train_drafter.py`
 
 import argparse
 import json
-import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,8 +38,10 @@ from drafter_service.model import DFlashDrafter
 from drafter_service.model_config import DFlashConfig
 from drafter_service.tiny_checkpoint import tiny_drafter_config
 from tools import corpus
+from tools.drafter_objective import block_logits, evaluate, labels_for, sample_anchors, slot_weights
 from tools.k2_twin import K2Twin
-from tools.train_target import Windows, _sync, autocast, dequantized_tensors, heldout_windows, lr_at
+from tools.target_export import dequantized_tensors
+from tools.train_loop import StepSchedule, Windows, autocast, heldout_windows, lr_at, new_train_state, step_cap
 from tools.train_tokenizer import special_ids
 from verifier_service.model_config import K2Config
 
@@ -93,83 +86,6 @@ def new_drafter(cfg_dict: dict, target: K2Twin, device: torch.device, seed: int)
     return d.to(device)
 
 
-def sample_anchors(batch: int, seq: int, block: int, count: int, device: torch.device) -> torch.Tensor:
-    """[batch, count] distinct sorted anchors in [1, seq - block]."""
-    span = seq - block
-    count = min(count, span)
-    return (torch.rand(batch, span, device=device).topk(count, dim=1).indices + 1).sort(dim=1).values
-
-
-def block_logits(d: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """The service's draft computation for every anchor at once.
-
-    feats [B, S, |ids|·H] target features; tokens [B, S]; anchors [B, A] -> logits [B, A, block-1, V]
-    for slots 1 .. block-1 (slot j predicts position anchor + j)."""
-    cfg = d.cfg
-    B, S = tokens.shape
-    A, Bk = anchors.shape[1], cfg.block_size
-    c = d.hidden_norm(d.fc(feats.to(d.fc.weight.dtype)))  # [B, S, H]
-    ctx_pos = torch.arange(S, device=tokens.device)
-    cos_c, sin_c = d.rope(ctx_pos[None].expand(B, S), c.dtype)  # [B, S, 1, hd]
-    block_pos = (anchors[:, :, None] + torch.arange(Bk, device=tokens.device)).flatten(1)  # [B, A*Bk]
-    ids = torch.full((B, A, Bk), cfg.mask_token_id, dtype=torch.long, device=tokens.device)
-    ids[:, :, 0] = tokens.gather(1, anchors)
-    x = F.embedding(ids.flatten(1), d.embed_tokens) * cfg.input_embedding_scale  # [B, A*Bk, H]
-    cos_b, sin_b = d.rope(block_pos, x.dtype)
-    q_anchor = anchors.repeat_interleave(Bk, dim=1)  # [B, A*Bk] anchor of each query's block
-    q_block = torch.arange(A, device=tokens.device).repeat_interleave(Bk)  # [A*Bk]
-    sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]  # [B, A*Bk, S]: strictly before the anchor
-    sees_blk = (q_block[:, None] == q_block[None, :])[None].expand(B, -1, -1)  # own block, bidirectional
-    mask = torch.cat([sees_ctx, sees_blk], dim=2)  # [B, A*Bk, S + A*Bk]
-    for layer in d.layers:
-        ctx_k, ctx_v = layer.self_attn.kv(c, cos_c, sin_c)
-        x = layer(x, cos_b, sin_b, ctx_k, ctx_v, mask)
-    hidden = d.norm(x).view(B, A, Bk, -1)[:, :, 1:]  # [B, A, Bk-1, H]
-    return d.logits(hidden)  # fp32, through the target's lm_head
-
-
-def labels_for(kind: str, tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
-    """[B, A, block-1] label of slot k at position anchor + k."""
-    pos = anchors[:, :, None] + torch.arange(1, block, device=anchors.device)  # [B, A, Bk-1]
-    if kind == "corpus":
-        return tokens.gather(1, pos.flatten(1)).view_as(pos)
-    if kind == "target":  # greedy[p] = the target's argmax after position p, i.e. its token at p + 1
-        return greedy.gather(1, (pos - 1).flatten(1)).view_as(pos)
-    raise ValueError(f"unknown label kind {kind!r}")
-
-
-def slot_weights(block: int, gamma: float, device: torch.device) -> torch.Tensor:
-    return torch.exp(-torch.arange(block - 1, device=device, dtype=torch.float32) / gamma)
-
-
-@torch.no_grad()
-def evaluate(drafters: dict, target: K2Twin, windows: torch.Tensor, layer_ids: list[int], *, anchors: int,
-             device: torch.device, batch: int = 8, seed: int = 1) -> dict:
-    """Held-out: per-slot accuracy against the target's greedy tokens and the teacher-forced chain
-    acceptance proxy E[1 + longest prefix of slots matching]."""
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    out = {}
-    for name, d in drafters.items():
-        d.eval()
-        hits, chain, n = None, 0.0, 0
-        for lo in range(0, windows.shape[0], batch):
-            w = windows[lo:lo + batch, :-1].to(device)
-            with autocast(device):
-                logits, feats = target(w, capture=layer_ids)
-                greedy = logits.argmax(-1)
-                anc = sample_anchors(w.shape[0], w.shape[1], d.cfg.block_size, anchors, device)
-                pred = block_logits(d, torch.cat(feats, -1), w, anc).argmax(-1)
-            ok = pred == labels_for("target", w, greedy, anc, d.cfg.block_size)  # [B, A, Bk-1]
-            hits = ok.float().sum((0, 1)) if hits is None else hits + ok.float().sum((0, 1))
-            chain += float((1 + ok.long().cumprod(-1).sum(-1)).sum())
-            n += ok.shape[0] * ok.shape[1]
-        d.train()
-        out[name] = {"slot_accuracy": [round(float(h) / n, 4) for h in hits], "chain_proxy_tau": round(chain / n, 3)}
-    torch.random.set_rng_state(gen_state)
-    return out
-
-
 def save_drafter(d: DFlashDrafter, cfg_dict: dict, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,8 +119,8 @@ def train(*, target_dir: str | Path, corpus_dir: str | Path, work_dir: str | Pat
     data = Windows(corpus.load_stream(corpus_dir, "train"), seq, dev, seed + 7)
     heldout = heldout_windows(corpus.load_stream(corpus_dir, "heldout"), seq, eval_windows)
     epoch_steps = data.count / batch
-    step_cap = int(max_epochs * epoch_steps) if max_steps is None else min(max_steps, int(max_epochs * epoch_steps))
-    state = {"step": 0, "total_steps": None, "elapsed_s": 0.0, "losses": []}
+    cap = step_cap(epoch_steps, max_epochs, max_steps)
+    state = new_train_state()
     ckpt = work / CKPT_NAME
     if ckpt.exists():
         saved = torch.load(ckpt, map_location=dev, weights_only=False)
@@ -221,54 +137,9 @@ def train(*, target_dir: str | Path, corpus_dir: str | Path, work_dir: str | Pat
         torch.save({"drafters": {k: d.state_dict() for k, d in drafters.items()},
                     "opts": {k: o.state_dict() for k, o in opts.items()}, "state": state}, ckpt)
 
-    weights = slot_weights(block, gamma, dev)
-    t_start, t_ckpt, timing_from = time.monotonic() - state["elapsed_s"], time.monotonic(), None
-    if state["total_steps"] is None and (step_cap <= 30 or not time_budget_s):
-        state["total_steps"] = step_cap
-    while state["total_steps"] is None or state["step"] < state["total_steps"]:
-        step = state["step"]
-        if state["total_steps"] is None:
-            if timing_from is None and step >= 5:
-                _sync(dev)
-                timing_from = (time.monotonic(), step)
-            elif timing_from is not None and step - timing_from[1] >= 20:
-                _sync(dev)
-                per_step = (time.monotonic() - timing_from[0]) / (step - timing_from[1])
-                fit = step + int((time_budget_s - (time.monotonic() - t_start)) / per_step)
-                state["total_steps"] = max(step, min(step_cap, fit))
-                log(f"drafter: {per_step:.3f}s/step -> {state['total_steps']} steps "
-                    f"({state['total_steps'] / epoch_steps:.2f} epochs)")
-                if step >= state["total_steps"]:
-                    break
-        w = data.batch(step, batch)[:, :-1]
-        with torch.no_grad(), autocast(dev):
-            logits, feats = target(w, capture=layer_ids, logits="target" in labels)
-            greedy = logits.argmax(-1) if logits is not None else None
-            feats = torch.cat(feats, dim=-1)
-        anc = sample_anchors(batch, seq, block, anchors, dev)
-        losses = {}
-        for k, d in drafters.items():
-            for g in opts[k].param_groups:
-                g["lr"] = lr_at(step, state["total_steps"] or step_cap, lr, warmup)
-            with autocast(dev):
-                out_logits = block_logits(d, feats, w, anc)  # [B, A, Bk-1, V]
-            y = labels_for(k, w, greedy, anc, block)
-            ce = F.cross_entropy(out_logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
-            loss = (ce * weights).sum(-1).mean() / weights.sum()
-            opts[k].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-            opts[k].step()
-            losses[k] = loss
-        state["step"] = step + 1
-        if step % 50 == 0 or state["step"] == state["total_steps"]:
-            lv = {k: round(float(v.detach()), 4) for k, v in losses.items()}
-            state["losses"].append([step, lv])
-            log(f"drafter: step {step} loss {lv} [{time.monotonic() - t_start:.0f}s]")
-        state["elapsed_s"] = time.monotonic() - t_start
-        if time.monotonic() - t_ckpt > ckpt_every_s:
-            save()
-            t_ckpt = time.monotonic()
+    schedule = StepSchedule(state, cap, time_budget_s, ckpt_every_s, dev)
+    _train_steps(drafters, opts, target, data, schedule, save, layer_ids=layer_ids, batch=batch, anchors=anchors,
+                 gamma=gamma, lr=lr, warmup=warmup, log=log)
     save()
     metrics = evaluate(drafters, target, heldout, layer_ids, anchors=anchors, device=dev)
     for k, d in drafters.items():
@@ -281,6 +152,49 @@ def train(*, target_dir: str | Path, corpus_dir: str | Path, work_dir: str | Pat
         + "; ".join(f"{k}: chain proxy tau {m['chain_proxy_tau']}, slot acc {m['slot_accuracy'][:3]}"
                     for k, m in metrics.items()))
     return info
+
+
+def _train_steps(drafters: dict[str, DFlashDrafter], opts: dict[str, torch.optim.Optimizer], target: K2Twin,
+                 data: Windows, schedule: StepSchedule, save, *, layer_ids: list[int], batch: int, anchors: int,
+                 gamma: float, lr: float, warmup: int, log) -> None:
+    """Steps until the schedule's total: one frozen-target forward per batch (features, and its greedy
+    tokens when a drafter learns them), then one slot-weighted cross-entropy step per drafter."""
+    state, dev, seq, epoch_steps = schedule.state, schedule.device, data.seq, data.count / batch
+    block = next(iter(drafters.values())).cfg.block_size
+    weights = slot_weights(block, gamma, dev)
+    while schedule.running():
+        step = state["step"]
+        per_step = schedule.measure(step)
+        if per_step is not None:
+            log(f"drafter: {per_step:.3f}s/step -> {state['total_steps']} steps "
+                f"({state['total_steps'] / epoch_steps:.2f} epochs)")
+            if step >= state["total_steps"]:
+                break
+        w = data.batch(step, batch)[:, :-1]
+        with torch.no_grad(), autocast(dev):
+            logits, feats = target(w, capture=layer_ids, logits="target" in drafters)
+            greedy = logits.argmax(-1) if logits is not None else None
+            feats = torch.cat(feats, dim=-1)
+        anc = sample_anchors(batch, seq, block, anchors, dev)
+        losses = {}
+        for k, d in drafters.items():
+            for g in opts[k].param_groups:
+                g["lr"] = lr_at(step, schedule.lr_total, lr, warmup)
+            with autocast(dev):
+                out_logits = block_logits(d, feats, w, anc)  # [B, A, Bk-1, V]
+            y = labels_for(k, w, greedy, anc, block)
+            ce = F.cross_entropy(out_logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
+            loss = (ce * weights).sum(-1).mean() / weights.sum()
+            opts[k].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+            opts[k].step()
+            losses[k] = loss
+        if schedule.advance(step):
+            lv = {k: round(float(v.detach()), 4) for k, v in losses.items()}
+            state["losses"].append([step, lv])
+            log(f"drafter: step {step} loss {lv} [{schedule.seconds():.0f}s]")
+        schedule.checkpoint(save)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,223 @@
+"""End-to-end harness of `ddtree bench spec`: drafter, verifier and gateway as separate processes.
+
+The three services run on loopback (as tests/stack.py starts them); every prompt goes as token ids
+through the public Generate stream. The step-time split comes from the verifier's Prometheus
+histograms: draft (drafter RPC incl. its compute), verify, accept/commit, and the rest of the wall
+time (gateway, streaming, scheduling). Needs the generated gRPC stubs (imported only here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+from tools.spec_report import AR, CHAIN, DDTREE, add_speedups, format_row, mode_name, speed_fields
+
+REPO = Path(__file__).resolve().parents[1]
+# grpc.health.v1 service name of each process, in start order (the verifier needs the drafter up, etc.)
+SERVICES = {"drafter": "ddtree.internal.v1.Drafter", "verifier": "ddtree.internal.v1.Verifier",
+            "gateway": "ddtree.v1.Generation"}
+STARTUP_TIMEOUT_S = 180
+
+
+class Streamed(NamedTuple):
+    """One Generate stream: its token ids and final message, seconds from the first chunk to the end
+    (decode) and from the request to the end (wall)."""
+    ids: list[int]
+    final: object  # the stream's `final` message (spec_stats)
+    decode_s: float
+    wall_s: float
+
+
+def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict], *, modes: list[tuple[str, int]],
+            temperatures: list[float], max_new: int, seed: int, device: str, dtype: str, log_dir: Path,
+            log=print) -> list[dict]:
+    """Three service processes on loopback; one Generate stream per prompt and mode."""
+    import grpc
+
+    from ddtree.v1 import generation_pb2_grpc as pb_grpc
+
+    ports = {k: _free_port() for k in ("drafter", "verifier", "gateway", "verifier_metrics")}
+    cmds = _service_commands(model_dir, drafter_dir, device, dtype, ports, max([b for _, b in modes] + [16]))
+    env = _service_env(device)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    try:
+        for name in SERVICES:
+            procs[name] = _start(name, cmds[name], env, log_dir)
+            _wait_serving(name, procs[name], ports[name], log_dir)
+        rows = []
+        with grpc.insecure_channel(f"127.0.0.1:{ports['gateway']}") as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            _generate(stub, prompts[0]["ids"], DDTREE, 4, 0.0, seed, max_new)  # warm-up
+            for temp in temperatures:
+                ar_ids = None
+                for mode, budget in modes:
+                    before = _metric_sums(ports["verifier_metrics"])
+                    outs = [_generate(stub, p["ids"], mode, budget, temp, seed + i, max_new)
+                            for i, p in enumerate(prompts)]
+                    after = _metric_sums(ports["verifier_metrics"])
+                    row = _row(outs, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}, mode, budget, temp)
+                    ids = [o.ids for o in outs]
+                    if mode == AR:
+                        ar_ids = ids
+                    elif ar_ids is not None:
+                        row.update(_divergences(ar_ids, ids))
+                    rows.append(row)
+                    log(format_row(row))
+        add_speedups(rows)
+        return rows
+    finally:
+        _stop(procs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _service_commands(model_dir: str | Path, drafter_dir: str | Path, device: str, dtype: str,
+                      ports: dict[str, int], max_budget: int) -> dict[str, list[str]]:
+    base = [sys.executable, "-m", "service_kit.cli"]
+    common = ["--host", "127.0.0.1", "--log-format", "json", "--grace-s", "1"]
+    return {
+        "drafter": [*base, "drafter", "--port", str(ports["drafter"]), "--model", str(drafter_dir),
+                    "--target-model", str(model_dir), "--device", device, "--dtype", dtype,
+                    "--cache-mb", "32", "--max-tree-budget", str(max(max_budget, 64)), *common],
+        "verifier": [*base, "verifier", "--port", str(ports["verifier"]), "--model", str(model_dir),
+                     "--device", device, "--dtype", dtype, "--drafter", f"127.0.0.1:{ports['drafter']}",
+                     "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
+                     "--metrics-port", str(ports["verifier_metrics"]), *common],
+        "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--model", str(model_dir),
+                    "--verifier", f"127.0.0.1:{ports['verifier']}", *common],
+    }
+
+
+def _service_env(device: str) -> dict[str, str]:
+    """This environment without DDTREE_* settings (the flags decide); one thread per service on CPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_")}
+    env.update(PYTHONUNBUFFERED="1")
+    if device == "cpu":
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def _start(name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> subprocess.Popen:
+    """Its own session (process group), so that _stop can signal the service and its children."""
+    logf = open(log_dir / f"{name}.log", "ab")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=logf,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    logf.close()
+    return proc
+
+
+def _wait_serving(name: str, proc: subprocess.Popen, port: int, log_dir: Path) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}); see {log_dir / name}.log")
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=SERVICES[name]), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not SERVING after {STARTUP_TIMEOUT_S} s")
+            time.sleep(0.2)
+
+
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM to every process group, then SIGKILL to any still there after 15 s."""
+    for p in procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
+def _generate(stub, prompt: list[int], mode: str, budget: int, temp: float, seed: int, max_new: int) -> Streamed:
+    """One Generate stream of exactly max_new tokens (EOS ignored); seeded sampling when temp > 0."""
+    from ddtree.v1 import generation_pb2 as pb
+
+    req = pb.GenerateRequest(request_id=uuid.uuid4().hex)
+    req.token_ids.ids.extend(prompt)
+    req.stopping.max_new_tokens = max_new
+    req.stopping.ignore_eos = True
+    req.speculation.mode = {AR: pb.SPEC_MODE_AR, CHAIN: pb.SPEC_MODE_CHAIN, DDTREE: pb.SPEC_MODE_DDTREE}[mode]
+    if mode == DDTREE:
+        req.speculation.tree_budget = budget
+    if temp > 0:
+        req.sampling.temperature = temp
+        req.sampling.seed = seed
+    ids, final, t0, t_first = [], None, time.perf_counter(), None
+    for msg in stub.Generate(req, timeout=600):
+        if msg.HasField("chunk"):
+            if t_first is None:
+                t_first = time.perf_counter()
+            ids += msg.chunk.token_ids
+        else:
+            final = msg.final
+    return Streamed(ids, final, time.perf_counter() - (t_first or t0), time.perf_counter() - t0)
+
+
+def _metric_sums(port: int) -> dict[str, float]:
+    """The ddtree_* histogram sums/counts and counter totals of one /metrics endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("ddtree_") and (line.split(" ")[0].endswith(("_sum", "_count", "_total"))):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _row(outs: list[Streamed], metrics: dict[str, float], mode: str, budget: int, temp: float) -> dict:
+    """metrics: the verifier's /metrics change over this mode's streams."""
+    steps = sum(o.final.spec_stats.verify_steps for o in outs)
+    committed = sum(o.final.spec_stats.verify_steps * o.final.spec_stats.mean_acceptance_length for o in outs)
+    decode_s = sum(o.decode_s for o in outs)
+    decode_tokens = sum(len(o.ids) - 1 for o in outs)
+    n_steps = max(metrics.get("ddtree_verify_step_seconds_count", 0.0), 1.0)
+    split = {"draft": metrics.get("ddtree_draft_seconds_sum", 0.0),
+             "verify": metrics.get("ddtree_verify_step_seconds_sum", 0.0),
+             "accept_commit": metrics.get("ddtree_accept_commit_seconds_sum", 0.0)}
+    wall = sum(o.wall_s for o in outs)
+    split["other"] = max(wall - sum(split.values()), 0.0)
+    return {"harness": "e2e", "mode": mode, "name": mode_name(mode, budget),
+            "budget": budget if mode == DDTREE else 0, "temperature": temp, "prompts": len(outs),
+            **speed_fields(steps, committed, decode_tokens, decode_s),
+            "split_ms": {k: round(v / n_steps * 1e3, 3) for k, v in split.items()},
+            "split_note": "draft = the verifier waiting for the drafter RPC (split into draft "
+                          "compute + rpc when the in-process harness ran too); other = wall time "
+                          "outside verifier steps (gateway, streaming, prefill)"}
+
+
+def _divergences(ar_ids: list[list[int]], ids: list[list[int]]) -> dict:
+    """Streams that differ from AR's: the first differing position (or the shorter length)."""
+    bad = [{"prompt": i, "position": next((k for k in range(min(len(a), len(b))) if a[k] != b[k]),
+                                          min(len(a), len(b)))}
+           for i, (a, b) in enumerate(zip(ar_ids, ids)) if a != b]
+    return {"matches_ar": not bad, "divergences": bad}
