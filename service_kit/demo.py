@@ -22,7 +22,7 @@ from service_kit.launcher import resolve_model
 PORTS = {"gateway": 50051, "verifier": 50052, "drafter": 50053}
 SERVICES = {"gateway": "ddtree.v1.Generation", "verifier": "ddtree.internal.v1.Verifier",
             "drafter": "ddtree.internal.v1.Drafter"}
-PROMPT = "def fibonacci(n):\n"
+PROMPT = "class Stack:\n    def __init__(self):"
 
 
 def wait_serving(timeout_s: float = 180.0) -> None:
@@ -43,12 +43,15 @@ def wait_serving(timeout_s: float = 180.0) -> None:
         print(f"  {name:8s} SERVING on 127.0.0.1:{port}", file=sys.stderr)
 
 
-def stream(stub, mode: int, budget: int | None = None) -> None:
-    req = pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=48),
+def stream(stub, mode: int, budget: int | None = None, temperature: float | None = None) -> None:
+    req = pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=64),
                              speculation=pb.SpeculationParams(mode=mode))
     if budget is not None:
         req.speculation.tree_budget = budget
-    print(f"\n--- {pb.SpecMode.Name(mode)} ---\n{PROMPT}", end="")
+    if temperature is not None:  # seeded: the same text on every run, in every mode
+        req.sampling.temperature, req.sampling.top_p, req.sampling.seed = temperature, 0.95, 7
+    label = pb.SpecMode.Name(mode) + (f", temperature {temperature}" if temperature else ", greedy")
+    print(f"\n--- {label} ---\n{PROMPT}", end="")
     t0 = time.monotonic()
     for msg in stub.Generate(req, timeout=300):
         if msg.HasField("chunk"):
@@ -75,6 +78,7 @@ def main() -> int:
             stream(stub, pb.SPEC_MODE_AR)
             stream(stub, pb.SPEC_MODE_CHAIN)
             stream(stub, pb.SPEC_MODE_DDTREE, budget=16)
+            stream(stub, pb.SPEC_MODE_DDTREE, budget=16, temperature=0.8)
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(timeout=60)
