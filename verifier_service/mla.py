@@ -4,6 +4,11 @@ Head parallelism: `q_b_proj`, `kv_b_proj` and `o_proj` may hold only this rank's
 first two, columns of o_proj); the local head count is read from the weight shapes. The latent
 projection is full on every rank, so the cached 576-wide rows are identical everywhere. The returned
 output is this rank's partial sum over its heads; the caller all-reduces it.
+
+Two torch paths read the keys: the reference loops over sessions (`KeyGroup`s from plan.key_groups, one
+host sync per forward); the sync-free path (`RowKeys` from `row_keys`) gives every row the same static
+key layout built with tensor ops only, so it runs on a GPU without host syncs and can be captured in a
+CUDA graph. Both compute the attention core in fp32; K2.6 shapes on GPU use the CUDA kernel instead.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.model_config import K2Config
-from verifier_service.plan import KeyGroup
+from verifier_service.plan import BatchPlan, KeyGroup
 from verifier_service.rope import apply_rope
 
 # Epsilon of the q/kv latent RMSNorms. DeepSeek's modeling code shipped with the K2 checkpoints and
@@ -92,6 +97,95 @@ def attend_explicit(
     return torch.einsum("hrs,shv->rhv", probs, v).flatten(1).to(dtype)  # [R, h*v]
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """Sync-free key layout: row t may attend cache slots `slots[t, s]` where `valid[t, s]`.
+
+    Columns (S = P·page_size + R): its sequence's prefix positions 0 .. P·page_size-1 through the page
+    table (valid below prefix_len), then its sequence's rows 0 .. R-1 (valid where tree_mask)."""
+
+    slots: torch.Tensor  # int64 [T, S]; 0 where not valid, so every gather index is a legal slot
+    valid: torch.Tensor  # bool [T, S]
+
+
+def row_keys(plan: BatchPlan, page_size: int) -> RowKeys:
+    """Resolve the plan into per-row key slots with tensor ops only (no .tolist/.item, static shapes)."""
+    T, R = plan.tree_mask.shape
+    B, P = plan.page_table.shape
+    dev = plan.write_slots.device
+    rows = torch.arange(T, device=dev)
+    # Row -> sequence: the last b with row_starts[b] <= t (empty sequences repeat a start and are skipped).
+    seq = (torch.searchsorted(plan.row_starts, rows, right=True) - 1).clamp(0, max(B - 1, 0))  # [T]
+    pos = torch.arange(P * page_size, device=dev)  # [P·ps] prefix positions
+    prefix = plan.page_table[:, pos // page_size] * page_size + pos % page_size  # [B, P·ps] slots
+    prefix_ok = pos < plan.prefix_lens[:, None]  # [B, P·ps]
+    start, end = plan.row_starts[seq], plan.row_starts[seq + 1]  # [T] the row's sequence's rows
+    own = start[:, None] + torch.arange(R, device=dev)  # [T, R] batch row of the sequence's j-th row
+    own_ok = plan.tree_mask & (own < end[:, None])  # [T, R]
+    own_slots = plan.write_slots[own.clamp(max=max(T - 1, 0))]  # [T, R]
+    valid = torch.cat([prefix_ok[seq], own_ok], dim=1)  # [T, S]
+    return RowKeys(torch.where(valid, torch.cat([prefix[seq], own_slots], dim=1), 0), valid)
+
+
+# Sync-free attention processes query rows in chunks whose gathered keys and scores stay below this
+# (chunk count is a function of shapes only, so the loop is the same on every replay).
+ATTN_CHUNK_BYTES = 256 << 20
+MASKED = torch.finfo(torch.float32).min  # finite: a row with no visible key averages zeros, never NaN
+
+
+def attend_rows(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, kv_layer: torch.Tensor, keys: RowKeys,
+    w: MLAWeights, cfg: K2Config, explicit: bool,
+) -> torch.Tensor:
+    """Every row over its own key set: q_nope [T, h, nope], q_rope [T, h, rope], kv_layer [slots, 576]
+    -> [T, h*v] in q's dtype. fp32 core like `attend_absorbed` / `attend_explicit`."""
+    T, S = keys.slots.shape
+    heads = q_nope.shape[1]
+    out = q_nope.new_zeros(T, heads * cfg.v_head_dim)
+    if heads == 0:  # a rank without heads (more ranks than heads): contributes nothing
+        return out
+    per_key = cfg.kv_cache_width * (4 + kv_layer.element_size()) + 3 * 4 * heads  # keys + scores/probs
+    if explicit:
+        per_key += 4 * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # decompressed K and V
+    step = max(1, ATTN_CHUNK_BYTES // max(1, S * per_key))
+    attend = _explicit_rows if explicit else _absorbed_rows
+    for r0 in range(0, T, step):
+        r = slice(r0, r0 + step)
+        # Keys not visible are zeroed: unused (even NaN-poisoned) cache slots never reach scores or values.
+        k = kv_layer[keys.slots[r]].float().masked_fill_(~keys.valid[r, :, None], 0.0)  # [t, S, 576]
+        out[r] = attend(q_nope[r].float(), q_rope[r].float(), k, keys.valid[r], w, cfg)
+    return out
+
+
+def _absorbed_rows(q_nope, q_rope, keys, valid, w: MLAWeights, cfg: K2Config) -> torch.Tensor:
+    """fp32 q_nope [t, h, nope], q_rope [t, h, rope], keys [t, S, 576], valid [t, S] -> [t, h*v]."""
+    heads = q_nope.shape[1]
+    c, k_rope = keys.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [t, S, C], [t, S, rope]
+    kv_b = w.kv_b_proj.float().view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [h, nope, C], [h, v, C]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [t, h, C]
+    scores = torch.einsum("thc,tsc->ths", q_lat, c) + torch.einsum("thd,tsd->ths", q_rope, k_rope)
+    probs = _row_softmax(scores * cfg.softmax_scale, valid)  # [t, h, S]
+    o_lat = torch.einsum("ths,tsc->thc", probs, c)  # [t, h, C]
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).flatten(1)  # [t, h*v]
+
+
+def _explicit_rows(q_nope, q_rope, keys, valid, w: MLAWeights, cfg: K2Config) -> torch.Tensor:
+    """Same contract as `_absorbed_rows`, decompressing per-head K/V from each row's latent keys."""
+    t, S, heads = keys.shape[0], keys.shape[1], q_nope.shape[1]
+    c, k_rope = keys.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    kv = F.linear(c, w.kv_b_proj.float()).view(t, S, heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [t, S, h, nope], [t, S, h, v]
+    scores = torch.einsum("thn,tshn->ths", q_nope, k_nope) + torch.einsum("thd,tsd->ths", q_rope, k_rope)
+    probs = _row_softmax(scores * cfg.softmax_scale, valid)  # [t, h, S]
+    return torch.einsum("ths,tshv->thv", probs, v).flatten(1)  # [t, h*v]
+
+
+def _row_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """scores fp32 [t, h, S], valid [t, S]: masked before the softmax (masked keys get weight 0)."""
+    return torch.softmax(scores.masked_fill(~valid[:, None, :], MASKED), dim=-1)
+
+
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores fp32 [h, R, S]; every row sees at least itself, so no row is fully masked."""
     return torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
@@ -105,19 +199,22 @@ def mla_forward(
     sin: torch.Tensor,
     kv_layer: torch.Tensor,
     write_slots: torch.Tensor,
-    groups: Sequence[KeyGroup],
+    groups: Sequence[KeyGroup] | RowKeys,
     explicit: bool,
     paged: tuple | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> this rank's partial attention output [T, H] (all-reduce over heads follows).
 
     kv_layer [num_slots, 576] is one layer's cache viewed flat; rows are written before attention reads.
-    `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form).
+    `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form);
+    `groups` = RowKeys selects the sync-free batched path, a list of KeyGroups the per-session reference.
     """
     q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin)
     kv_layer[write_slots] = latent.to(kv_layer.dtype)
     if paged is not None:
         return F.linear(attend_paged_kernel(q_nope, q_rope, w, cfg, *paged), w.o_proj)
+    if isinstance(groups, RowKeys):
+        return F.linear(attend_rows(q_nope, q_rope, kv_layer, groups, w, cfg, explicit).to(x.dtype), w.o_proj)
     attend = attend_explicit if explicit else attend_absorbed
     heads = q_nope.shape[1]
     out = x.new_empty(x.shape[0], heads * cfg.v_head_dim)  # [T, h*v]

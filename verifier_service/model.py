@@ -5,6 +5,16 @@ point, `K2Model.forward(plan, kv_cache, target_layer_ids)`, serves prefill, deco
 Parallel hooks: `all_reduce(t) -> t summed over ranks` is called after o_proj and after the routed
 experts (identity at world size 1); the weights may hold only this rank's heads (mla.py) and experts
 (moe.py). Everything else (embedding, norms, router, dense MLP, shared expert, head) is replicated.
+
+Three ways to run attention and routed experts, chosen per call (`attention_path`, moe.moe_forward):
+1. the CUDA kernels (kernels/): `use_kernels`, a GPU, K2.6 shapes (576-wide latent / bf16 INT4 experts
+   with H, I multiples of 128);
+2. the sync-free torch path: `sync_free` (default: `use_kernels` on a GPU) for what the kernels do not
+   cover: batched attention over per-row key slots (mla.row_keys) and every-expert MoE over experts
+   dequantized once at load (moe.moe_experts_dense; only while E_local·T <= moe.DENSE_MAX_PAIRS, and
+   only if all layers' dense experts fit DENSE_EXPERTS_MAX_BYTES);
+3. the torch reference (host syncs: per-session key groups, per-expert loop) — CPU by default.
+Paths 1 and 2 never read tensors back to the host, so `graph_safe` lets the runner capture CUDA graphs.
 """
 
 from __future__ import annotations
@@ -15,13 +25,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verifier_service.mla import MLAWeights, mla_forward, rms_norm
+from verifier_service.mla import MLAWeights, mla_forward, rms_norm, row_keys
 from verifier_service.model_config import K2Config
-from verifier_service.moe import MLPWeights, MoEWeights, mlp, moe_forward
+from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
+                                  mlp, moe_forward)
 from verifier_service.plan import BatchPlan, key_groups
 from verifier_service.rope import rope_cos_sin, rope_inv_freq
 
 MLA_KERNEL_WIDTH = 576  # kernels/mla_tree_attention.D (not imported: CPU-only installs never load kernels)
+GRAPH_MAX_ROWS = 256  # graphs.BUCKETS[-1]: the most rows a captured forward runs
+# Dequantized copies of the routed experts for the sync-free MoE, all layers together (E_local·3·H·I
+# values per layer, model dtype). Above this the model keeps the reference MoE (and is not graph safe).
+DENSE_EXPERTS_MAX_BYTES = 4 << 30
+KERNEL, SYNC_FREE, REFERENCE = "kernel", "sync_free", "reference"
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,7 @@ class K2Model:
         all_gather: Callable[[torch.Tensor], torch.Tensor] = identity,  # vocab-parallel logits -> all [R, V]
         use_kernels: bool = False,  # CUDA kernels (kernels/) for tree attention and INT4 experts on GPU
         on_experts: Callable[[int, torch.Tensor], None] | None = None,
+        sync_free: bool | None = None,  # sync-free torch path; None: with use_kernels on a GPU; True: anywhere
     ):
         if len(weights.layers) != cfg.num_hidden_layers:
             raise ValueError(f"{len(weights.layers)} layers given, config has {cfg.num_hidden_layers}")
@@ -76,6 +93,9 @@ class K2Model:
         self.dtype = weights.embed_tokens.dtype
         self.device = weights.embed_tokens.device
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # fp32 [rope/2]
+        # CPU keeps the reference path by default: its outputs are compared with HF transformers.
+        self.sync_free = (use_kernels and self.device.type == "cuda") if sync_free is None else sync_free
+        self.dense_experts = self._dense_experts() if self.sync_free else {}  # layer -> dense ExpertStack
 
     @torch.inference_mode()
     def forward(
@@ -89,8 +109,11 @@ class K2Model:
         """
         cfg, w = self.cfg, self.weights
         self._check(plan, kv_cache, target_layer_ids)
-        kernel_attn = self._kernels_on(kv_cache)
-        groups = [] if kernel_attn else key_groups(plan, page_size=kv_cache.shape[2])
+        path = self.attention_path(kv_cache)
+        kernel_attn = path == KERNEL
+        # Keys per row, resolved once per forward: the kernel reads the plan itself.
+        groups = ([] if kernel_attn else row_keys(plan, kv_cache.shape[2]) if path == SYNC_FREE
+                  else key_groups(plan, kv_cache.shape[2]))
         cos, sin = rope_cos_sin(self.inv_freq, plan.positions, cfg.rope_amplitude)  # [T, rope/2]
         h = self._embed(plan.token_ids)  # [T, H]
         hidden_rows = _rows(plan.hidden_rows, plan.num_rows, h.device)
@@ -126,7 +149,28 @@ class K2Model:
             y = mlp(x, w)
             return self.all_reduce(y) if w.gate_proj.shape[0] < self.cfg.intermediate_size else y
         observe = None if self.on_experts is None else (lambda ids: self.on_experts(layer, ids))
-        return moe_forward(x, w, self.cfg, self.all_reduce, observe, use_kernel=self.use_kernels)
+        return moe_forward(x, w, self.cfg, self.all_reduce, observe, use_kernel=self.use_kernels,
+                           dense=self.dense_experts.get(layer))
+
+    def _dense_experts(self) -> dict[int, ExpertStack]:
+        """Dequantize the routed experts the INT4 kernel will not run, once: all such layers, or none
+        when they would exceed DENSE_EXPERTS_MAX_BYTES."""
+        layers = {i: layer.mlp.experts for i, layer in enumerate(self.weights.layers)
+                  if isinstance(layer.mlp, MoEWeights) and not self._moe_kernel(layer.mlp)}
+        # gate/up/down are [E, I, H] logically, INT4 (shape = (I, H)) or dense tensors alike
+        need = sum(3 * ex.count * ex.gate_proj.shape[-2] * ex.gate_proj.shape[-1] for ex in layers.values())
+        if need * self.dtype.itemsize > DENSE_EXPERTS_MAX_BYTES:
+            return {}
+        return {i: dense_stack(ex, self.dtype) for i, ex in layers.items()}
+
+    def _moe_kernel(self, w: MoEWeights) -> bool:
+        return self.use_kernels and kernel_fits_for(self.device, self.dtype, w.experts)
+
+    def attention_path(self, kv_cache: torch.Tensor) -> str:
+        """KERNEL, SYNC_FREE or REFERENCE for a forward over this cache (see the module docstring)."""
+        if self._kernels_on(kv_cache):
+            return KERNEL
+        return SYNC_FREE if self.sync_free else REFERENCE
 
     def _kernels_on(self, kv_cache: torch.Tensor) -> bool:
         """CUDA kernels for attention: flag set, bf16 cache on a GPU (CPU always runs the reference)."""
@@ -134,10 +178,15 @@ class K2Model:
         return (self.use_kernels and kv_cache.is_cuda and kv_cache.dtype == torch.bfloat16
                 and self.cfg.kv_cache_width == MLA_KERNEL_WIDTH)
 
-    def graph_safe(self, kv_cache: torch.Tensor) -> bool:
-        """Whether forward can be captured in a CUDA graph: the kernel path has no host syncs (the
-        reference path's per-session key groups and per-expert loops do)."""
-        return self._kernels_on(kv_cache)
+    def graph_safe(self, kv_cache: torch.Tensor, max_rows: int = GRAPH_MAX_ROWS) -> bool:
+        """Whether forward can be captured in a CUDA graph for plans up to `max_rows` rows: attention and
+        every MoE layer on the kernel or the sync-free path (the reference path's per-session key groups
+        and per-expert loop read tensors back to the host)."""
+        if not kv_cache.is_cuda or self.attention_path(kv_cache) == REFERENCE:
+            return False
+        return all(self._moe_kernel(layer.mlp) or (i in self.dense_experts
+                                                   and dense_fits(max_rows, self.dense_experts[i]))
+                   for i, layer in enumerate(self.weights.layers) if isinstance(layer.mlp, MoEWeights))
 
     def _check(self, plan: BatchPlan, kv_cache: torch.Tensor, target_layer_ids: Sequence[int]) -> None:
         cfg = self.cfg

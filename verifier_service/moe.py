@@ -3,7 +3,8 @@
 Expert parallelism: a rank holds a contiguous range of routed experts (`ExpertStack.first` ..
 `first + count - 1`). Routing is computed on every rank (the router is replicated); tokens routed to
 experts outside the range contribute 0 here, so the ranks' routed outputs sum to the full output.
-`moe_experts_ref` is the signature the fused INT4 MoE kernel will implement.
+`moe_experts_ref` is the signature the fused INT4 MoE kernel implements (kernels/moe_w4a16.py), and
+`moe_experts_dense` the sync-free torch path for shapes the kernel does not cover (see `moe_forward`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,48 @@ def _one(w: ExpertMatrix, e: int) -> ExpertMatrix:
     return w.select(e) if isinstance(w, Int4Weight) else w[e]
 
 
+# Sync-free path: every local expert runs on every token, so a call costs E_local/k times the routed
+# FLOPs and holds [E_local, T, max(H, I)] activations. Allowed up to this many (token, local expert)
+# pairs: 64 local experts x 256 rows (graphs.BUCKETS[-1]); bigger calls (long prefill chunks, many
+# experts) take the reference loop instead.
+DENSE_MAX_PAIRS = 64 * 256
+
+
+def dense_fits(rows: int, experts: ExpertStack) -> bool:
+    """Whether `moe_experts_dense` may run `rows` tokens over `experts` (see DENSE_MAX_PAIRS)."""
+    return experts.count * rows <= DENSE_MAX_PAIRS
+
+
+def dense_stack(experts: ExpertStack, dtype: torch.dtype) -> ExpertStack:
+    """The same experts as dense [E_local, out, in] tensors in `dtype` (dequantized once: E_local·3·H·I
+    values, 4x the INT4 bytes at bf16), exactly what the reference dequantizes per call."""
+    def dense(w: ExpertMatrix) -> torch.Tensor:
+        return w.dequantize(dtype) if isinstance(w, Int4Weight) else w.to(dtype)
+
+    return ExpertStack(dense(experts.gate_proj), dense(experts.up_proj), dense(experts.down_proj), experts.first)
+
+
+def moe_experts_dense(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertStack
+) -> torch.Tensor:
+    """moe_experts_ref's contract without host syncs or data-dependent shapes: x [T, H] -> [T, H].
+
+    Every local expert on every token (SwiGLU in x's dtype, like the reference), combined in fp32 with
+    the router weights of the pairs routed to this rank; pairs of other ranks' experts weigh 0.
+    `experts` should be a `dense_stack`: an INT4 stack is dequantized on every call, which also copies
+    int4's shift table to the device (not capturable in a CUDA graph).
+    """
+    E = experts.count
+    local = topk_ids - experts.first  # [T, k]; outside [0, E) matches no local expert
+    hit = local[..., None] == torch.arange(E, device=x.device)  # [T, k, E]
+    combine = (hit * topk_weights[..., None]).sum(1)  # fp32 [T, E]; ids are distinct per token
+    d = dense_stack(experts, x.dtype)
+    gate, up, down = d.gate_proj, d.up_proj, d.down_proj  # [E, I, H], [E, I, H], [E, H, I]
+    act = F.silu(torch.matmul(x, gate.transpose(1, 2))) * torch.matmul(x, up.transpose(1, 2))  # [E, T, I]
+    y = torch.matmul(act, down.transpose(1, 2))  # [E, T, H]
+    return torch.einsum("eth,te->th", y.float(), combine).to(x.dtype)
+
+
 def moe_forward(
     x: torch.Tensor,
     w: MoEWeights,
@@ -111,15 +154,24 @@ def moe_forward(
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
     on_experts: Callable[[torch.Tensor], None] | None = None,
     use_kernel: bool = False,
+    dense: ExpertStack | None = None,
 ) -> torch.Tensor:
-    """x [T, H] -> routed (summed over ranks) + shared expert, unweighted."""
+    """x [T, H] -> routed (summed over ranks) + shared expert, unweighted.
+
+    Routed experts: the INT4 kernel (`use_kernel` and `kernel_fits`) > the sync-free every-expert path
+    (`dense` = this layer's `dense_stack`, given by the model when that path is on, and `dense_fits`) >
+    the reference loop (one host sync per call: bincount().tolist())."""
     topk_ids, topk_weights = route(x, w, cfg)
     if on_experts is not None:
         on_experts(topk_ids)
-    experts = moe_experts_ref
     if use_kernel and kernel_fits(x, w.experts):
-        from kernels.moe_w4a16 import moe_w4a16 as experts
-    routed = experts(x, topk_ids, topk_weights, w.experts)
+        from kernels.moe_w4a16 import moe_w4a16
+
+        routed = moe_w4a16(x, topk_ids, topk_weights, w.experts)
+    elif dense is not None and dense_fits(x.shape[0], dense):
+        routed = moe_experts_dense(x, topk_ids, topk_weights, dense)
+    else:
+        routed = moe_experts_ref(x, topk_ids, topk_weights, w.experts)
     shared = w.shared_experts
     if shared is None:
         return all_reduce(routed)
@@ -131,6 +183,11 @@ def moe_forward(
 
 def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
     """kernels/moe_w4a16 takes bf16 CUDA activations, INT4 experts, H and I multiples of 128."""
+    return kernel_fits_for(x.device, x.dtype, experts)
+
+
+def kernel_fits_for(device: torch.device, dtype: torch.dtype, experts: ExpertStack) -> bool:
+    """`kernel_fits` for activations of this device and dtype (decided once per model, no tensor needed)."""
     g = experts.gate_proj
-    return (x.is_cuda and x.dtype == torch.bfloat16 and isinstance(g, Int4Weight)
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and isinstance(g, Int4Weight)
             and g.shape[0] % 128 == 0 and g.shape[1] % 128 == 0)
