@@ -7,11 +7,19 @@ from dataclasses import dataclass
 from service_kit.config import ServerConfig, option
 
 
+SYNTHETIC_PRESETS = ("k26", "k26-mini")  # drafter_service/synthetic.py PRESETS (not imported: no torch here)
+
+
 @dataclass(frozen=True)
 class DrafterConfig(ServerConfig):
     port: int = option(50053, "gRPC port")
     model: str = option("", "DFlash drafter checkpoint dir (config.json + safetensors)")
     target_model: str = option("", "target checkpoint dir (only embed_tokens and lm_head are read)")
+    synthetic: str = option("", "benchmarks without checkpoints: a random drafter of this preset (with random "
+                            f"target embed/lm_head) made on the device ({', '.join(SYNTHETIC_PRESETS)}; "
+                            "empty = load --model and --target-model)")
+    synthetic_layers: int = option(0, "with --synthetic: layers of the target it drafts for, target_layer_ids "
+                                   "are spread over them (0 = the preset's; K2.6 has 61)")
     device: str = option("cpu", "torch device, e.g. cpu, cuda, cuda:7")
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
     max_tree_budget: int = option(256, "largest tree_budget accepted")
@@ -22,8 +30,12 @@ class DrafterConfig(ServerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.model or not self.target_model:
-            raise ValueError("model, target_model: both checkpoint dirs are required")
+        if not self.synthetic and (not self.model or not self.target_model):
+            raise ValueError("model, target_model: both checkpoint dirs are required (or --synthetic PRESET)")
+        if self.synthetic and self.synthetic not in SYNTHETIC_PRESETS:
+            raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
+        if self.synthetic_layers < 0:
+            raise ValueError("synthetic_layers: must be >= 0")
         if self.max_tree_budget < 1:
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:

@@ -90,6 +90,12 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
 def load_engine(config: DrafterConfig) -> DrafterEngine:
     options = EngineOptions(cache_bytes=config.cache_mb * 2**20, window=config.window or None,
                             max_tree_budget=config.max_tree_budget, use_kernels=config.kernels)
+    if config.synthetic:  # benchmarks without checkpoints: random weights drawn on the device
+        from drafter_service.synthetic import random_drafter
+
+        model = random_drafter(config.synthetic, target_layers=config.synthetic_layers, device=config.device,
+                               dtype=DTYPES[config.dtype])
+        return DrafterEngine(model, options, name=f"synthetic-{config.synthetic}")
     return DrafterEngine.load(config.model, config.target_model, device=config.device,
                               dtype=DTYPES[config.dtype], options=options)
 

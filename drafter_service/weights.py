@@ -29,7 +29,13 @@ def load_drafter(drafter_dir: str | Path, target_dir: str | Path, *, device: tor
     _check_target(cfg, embed, head)
     with torch.device("meta"):  # no init of billions of random parameters; load_state_dict assigns
         model = DFlashDrafter(cfg, vocab_size=embed.shape[0])
-    model.load_state_dict(read_drafter_state(drafter_dir, model, device, dtype), strict=True, assign=True)
+    return attach(model, read_drafter_state(drafter_dir, model, device, dtype), embed, head, device)
+
+
+def attach(model: DFlashDrafter, state: dict[str, torch.Tensor], embed: torch.Tensor, head: torch.Tensor,
+           device: torch.device | str) -> DFlashDrafter:
+    """A drafter built on the meta device gets its tensors (already on `device`) and the target's tables."""
+    model.load_state_dict(state, strict=True, assign=True)
     model.embed_tokens, model.lm_head = embed, head
     model.inv_freq = model.inv_freq.to(device)
     return model.requires_grad_(False).eval()

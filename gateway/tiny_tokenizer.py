@@ -179,10 +179,29 @@ def write_tiny_tokenizer(out_dir: str | Path, *, num_regular: int = 1792, seed: 
     """Train and write tiktoken.model, tokenizer_config.json and chat_template.jinja into out_dir."""
     if num_regular < 256:
         raise ValueError(f"num_regular={num_regular}: needs at least the 256 single-byte tokens")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     chunk_counts = Counter(chunk.encode("utf-8") for chunk in pretokenize(tiny_corpus(seed)))
     tokens = [bytes([b]) for b in range(256)] + train_bpe(chunk_counts, num_regular - 256)
+    return _write_tokenizer(Path(out_dir), tokens)
+
+
+def write_synthetic_tokenizer(out_dir: str | Path, *, num_regular: int = 163584) -> dict[str, int]:
+    """A Kimi-format tokenizer of K2.6's size (163,584 regular + 256 special = 163,840 ids) without
+    training (BPE on a corpus that large takes hours): the 256 bytes, then every 2-letter and then
+    3-letter string over [0-9A-Za-z] in order. Still a valid BPE (each token's prefix is a token), so it
+    encodes and decodes; it only stands in for the real one where ids, not text, matter (synthetic
+    benchmarks: the gateway must decode any id the random target emits)."""
+    alphabet = [bytes([c]) for c in b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"]
+    pairs = [a + b for a in alphabet for b in alphabet]
+    tokens = [bytes([b]) for b in range(256)] + pairs + [p + c for p in pairs for c in alphabet]
+    if not 256 <= num_regular <= len(tokens):
+        raise ValueError(f"num_regular={num_regular}: must be in [256, {len(tokens)}]")
+    return _write_tokenizer(Path(out_dir), tokens[:num_regular])
+
+
+def _write_tokenizer(out_dir: Path, tokens: list[bytes]) -> dict[str, int]:
+    """tiktoken.model (token i = rank i), tokenizer_config.json with Kimi's specials, chat_template.jinja."""
+    num_regular = len(tokens)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tiktoken.model").write_text(
         "".join(f"{base64.b64encode(t).decode('ascii')} {rank}\n" for rank, t in enumerate(tokens)))
     specials = kimi_special_tokens(num_regular)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from verifier_service.acceptance import SessionRng, filter_probs, sample_with_uniforms, walk_tree
+from verifier_service.acceptance import SessionRng, filter_probs, forced_walk, sample_with_uniforms, walk_tree
 
 
 def random_tree(rng: random.Random, n: int, vocab: int):
@@ -170,3 +170,16 @@ def test_seeded_output_is_independent_of_trees():
         ar = decode(seed, None)
         assert decode(seed, random.Random(seed)) == ar
         assert decode(seed, random.Random(seed + 1000)) == ar
+
+
+def test_forced_walk_accepts_the_first_path_to_the_depth():
+    """TEST ONLY switch: the path to the first (best-first: most probable) node at the depth, drafted tokens
+    whatever the target says, then the target's token there; a shallower tree gives its deepest path."""
+    tokens, parents = [10, 11, 12, 13, 14], [0, 0, 2, 1, 3]  # depth 2: rows 3 (under 2) and 4 (under 1)
+    targets = [50, 51, 52, 53, 54, 55]
+    w = forced_walk(tokens, parents, targets, 2)
+    assert (w.accepted_rows, w.tokens, w.bonus_row) == ([0, 2, 3], [11, 12, 53], 3)
+    assert forced_walk(tokens, parents, targets, 1).tokens == [10, 51]
+    w = forced_walk(tokens, parents, targets, 7)
+    assert (w.accepted_rows, w.tokens) == ([0, 2, 3, 5], [11, 12, 14, 55])
+    assert forced_walk([], [], [7], 3) == walk_tree([], [], [7])  # no draft: plain AR

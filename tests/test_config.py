@@ -39,10 +39,26 @@ def test_bools_and_choices(monkeypatch):
     (["--model", "m", "--default-tree-budget", "100"], "default_tree_budget"),
     (["--model", "m", "--port", "70000"], "port"),
     (["--model", "m", "--world-size", "2", "--gpus", "0"], "gpus"),
+    (["--synthetic", "k27"], "synthetic"),
+    (["--synthetic", "k26", "--split-replicated", "true"], "split_replicated"),
+    (["--model", "m", "--force-accept-depth", "-1"], "force_accept_depth"),
 ])
 def test_invalid_values_name_the_field(argv, field):
     with pytest.raises(ValueError, match=field):
         parse(argv)
+
+
+def test_synthetic_needs_no_checkpoint(capsys):
+    c = parse(["--synthetic", "k26-mini", "--synthetic-layers", "3", "--force-accept-depth", "2"])
+    assert (c.model, c.synthetic, c.synthetic_layers, c.force_accept_depth) == ("", "k26-mini", 3, 2)
+    from drafter_service.config import DrafterConfig
+    from service_kit.cli import main
+
+    assert DrafterConfig(synthetic="k26").model == ""
+    with pytest.raises(ValueError, match="model, target_model"):
+        DrafterConfig()
+    assert main(["drafter", "--synthetic", "k26-mini", "--dry-run"]) == 0
+    assert "synthetic='k26-mini'" in capsys.readouterr().out
 
 
 def test_cli_dry_run_matches_flags(capsys):

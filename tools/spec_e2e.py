@@ -182,15 +182,19 @@ def _generate(stub, prompt: list[int], mode: str, budget: int, temp: float, seed
 
 
 def _metric_sums(port: int) -> dict[str, float]:
-    """The ddtree_* histogram sums/counts and counter totals of one /metrics endpoint."""
+    """The ddtree_* histogram sums/counts and counter totals of one /metrics endpoint, each summed over
+    its labels (e.g. both phases of ddtree_verify_step_seconds) and also kept per label set."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("ddtree_") and (line.split(" ")[0].endswith(("_sum", "_count", "_total"))):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+        series, _, value = line.rpartition(" ")
+        name = series.split("{")[0]
+        if line.startswith("ddtree_") and name.endswith(("_sum", "_count", "_total")):
+            out[name] = out.get(name, 0.0) + float(value)
+            if name != series:
+                out[series] = float(value)
     return out
 
 

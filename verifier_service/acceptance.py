@@ -49,6 +49,30 @@ def walk_tree(tokens: list[int], parents: list[int], target_tokens: list[int]) -
         row = child
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of every row [root, nodes…] (root 0)."""
+    depths = [0]
+    for par in parents:
+        depths.append(depths[par] + 1)
+    return depths
+
+
+def forced_walk(tokens: list[int], parents: list[int], target_tokens: list[int], depth: int) -> Walk:
+    """TEST ONLY (--force-accept-depth; not lossless): accept the path to the first node at `depth` (or
+    at the tree's deepest level if shallower) whatever the target says, then the target's token at its
+    end as the bonus. Trees come best-first, so that path is the drafter's most probable prefix of that
+    length: with random weights this times steps at a chosen acceptance length."""
+    depths = tree_depths(parents)
+    row = depths.index(min(depth, max(depths)))
+    path = []
+    while row:
+        path.append(row)
+        row = parents[row - 1]
+    accepted = [0, *reversed(path)]
+    emitted = [tokens[r - 1] for r in accepted[1:]] + [target_tokens[accepted[-1]]]
+    return Walk(accepted_rows=accepted, tokens=emitted, bonus_row=accepted[-1])
+
+
 def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[R, V] logits → [R, V] fp32 probabilities: temperature, then top-k, then top-p (nucleus)."""
     x = logits.float() / temperature

@@ -21,7 +21,7 @@ from verifier_service.plan import SeqRows, build_plan, tree_parents
 from verifier_service.ranks import split_range
 from verifier_service.synthetic import k26_config, random_target
 
-EXPERT_BYTES = 3 * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2)  # packed INT4 + bf16 scales, one expert
+EXPERT_BYTES = 3 * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2)  # packed INT4 + bf16 scales, one K2.6 expert
 
 
 def add_parser(bsub) -> None:
@@ -63,17 +63,53 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: int) -> int:
-    """Bytes one rank must read for a verify of `rows` rows: weights touched + its KV prefix."""
+def expert_bytes(cfg) -> int:
+    """One routed expert's gate/up/down: packed INT4 words + bf16 scales per 32 inputs."""
+    weights = cfg.moe_intermediate_size * cfg.hidden_size
+    return 3 * (weights // 2 + weights // 32 * 2)
+
+
+def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: int,
+                touched: float | None = None) -> float:
+    """Bytes one rank must read for a verify of `rows` rows: weights touched + its KV prefix (bf16).
+    `touched`: routed experts the rank reads per MoE layer (default: the mean of its `experts` under
+    uniform routing; the slowest of N ranks reads `expected_max_experts`)."""
     H = cfg.hidden_size
-    attn = 2 * (cfg.q_lora_rank * H + heads * cfg.qk_head_dim * cfg.q_lora_rank
-                + cfg.kv_cache_width * H + heads * 256 * cfg.kv_lora_rank + H * heads * cfg.v_head_dim)
-    touched = experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** rows)
-    moe = touched * EXPERT_BYTES + 2 * 3 * H * cfg.moe_intermediate_size + 2 * cfg.n_routed_experts * H
+    attn = 2 * (cfg.q_lora_rank * H + heads * cfg.qk_head_dim * cfg.q_lora_rank + cfg.kv_cache_width * H
+                + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank + H * heads * cfg.v_head_dim)
+    if touched is None:
+        touched = experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** rows)
+    shared = 2 * 3 * H * cfg.moe_intermediate_size * cfg.n_shared_experts
+    moe = touched * expert_bytes(cfg) + shared + 4 * cfg.n_routed_experts * H  # fp32 router
     dense = 2 * 3 * H * cfg.intermediate_size
     kv = (prefix + rows) * cfg.kv_cache_width * 2
     head = 2 * cfg.vocab_size * H
-    return layers * (attn + kv) + (layers - 1) * moe + dense + head
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
+    return layers * (attn + kv) + moe_layers * moe + (layers - moe_layers) * dense + head
+
+
+def expected_max_experts(cfg, world: int, rows: int, trials: int = 2000, seed: int = 0) -> float:
+    """E[max over the ranks of the experts one MoE layer reads] when each of `rows` tokens routes to
+    top-k distinct experts uniformly at random (reference/perf.md §3.2, Monte Carlo): the rank with the
+    most touched experts sets the step time under expert parallelism."""
+    n, k, chunk = cfg.n_routed_experts, cfg.num_experts_per_tok, 250
+    owner = torch.tensor([r for r in range(world) for _ in split_range(n, r, world)])
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for _ in range(0, trials, chunk):
+        picks = torch.rand(chunk, rows, n, generator=g).topk(k, dim=-1).indices.flatten(1)  # [chunk, rows·k]
+        touched = torch.zeros(chunk, n, dtype=torch.bool).scatter_(1, picks, True)
+        total += float(torch.zeros(chunk, world).index_add_(1, owner, touched.float()).max(-1).values.sum())
+    return total / (chunk * math.ceil(trials / chunk))
+
+
+def floor_bytes_world(cfg, world: int, rows: int, prefix: int) -> float:
+    """Bytes the slowest of `world` verifier ranks reads for one verify over all cfg's layers: rank 0's
+    heads (the most) and the expected maximum of touched experts; replicated parts read on every rank."""
+    heads = len(split_range(cfg.num_attention_heads, 0, world))
+    experts = len(split_range(cfg.n_routed_experts, 0, world))
+    return floor_bytes(cfg, cfg.num_hidden_layers, experts, heads, rows, prefix,
+                       touched=expected_max_experts(cfg, world, rows))
 
 
 def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: random.Random):

@@ -7,12 +7,16 @@ from dataclasses import dataclass
 from service_kit.config import ServerConfig, option
 
 MODES = ("ar", "chain", "ddtree")
+SYNTHETIC_PRESETS = ("k26", "k26-mini")  # verifier_service/synthetic.py PRESETS (not imported: no torch here)
 
 
 @dataclass(frozen=True)
 class VerifierConfig(ServerConfig):
     port: int = option(50052, "gRPC port (rank 0)")
-    model: str = option("", "target checkpoint dir (K2.6 layout)")
+    model: str = option("", "target checkpoint dir (K2.6 layout); not needed with --synthetic")
+    synthetic: str = option("", "benchmarks without a checkpoint: random weights of this preset made on the "
+                            f"device ({', '.join(SYNTHETIC_PRESETS)}; empty = load --model)")
+    synthetic_layers: int = option(0, "with --synthetic: number of layers (0 = the preset's; K2.6 has 61)")
     device: str = option("cpu", "cpu or cuda")
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
     world_size: int = option(1, "verifier ranks (GPUs); routed experts and attention heads are split over them")
@@ -36,11 +40,20 @@ class VerifierConfig(ServerConfig):
     kernels: bool = option(True, "run the CUDA kernels on GPU (false: the torch reference path, for debugging)")
     cuda_graphs: bool = option(True, "replay the GPU forward from CUDA graphs per row bucket (false: eager)")
     collective_timeout_s: float = option(60.0, "a rank's collective waiting longer than this fails the verifier")
+    force_accept_depth: int = option(0, "TEST ONLY, breaks losslessness: accept the drafted path down to this "
+                                     "depth whatever the target says (then the target's bonus), to time steps "
+                                     "at a chosen acceptance length with random weights; 0 = off")
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.model:
-            raise ValueError("model: a checkpoint directory is required (--model)")
+        if not self.model and not self.synthetic:
+            raise ValueError("model: a checkpoint directory is required (--model), or --synthetic PRESET")
+        if self.synthetic and self.synthetic not in SYNTHETIC_PRESETS:
+            raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
+        if self.synthetic and self.split_replicated:
+            raise ValueError("split_replicated: not available with --synthetic (random slices are head/expert only)")
+        if self.synthetic_layers < 0 or self.force_accept_depth < 0:
+            raise ValueError("synthetic_layers, force_accept_depth: must be >= 0")
         if self.world_size < 1:
             raise ValueError("world_size: must be >= 1")
         if self.gpus and len(self.gpus) != self.world_size:

@@ -147,11 +147,12 @@ class Engine:
         logit_rows = [r for job in jobs for r in job["logit_rows"]]
         plan = build_plan(seqs, logit_rows=logit_rows, device=self.runner.device)
         out = self.runner.forward(plan)
+        self.runner.sync()  # the GPU forward runs asynchronously: time it here, not in the accept phase
         t2 = time.perf_counter()
         self._finish_step(jobs, out)
         t3 = time.perf_counter()
-        metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2,
-                             rows=plan.num_rows, sessions=len(decoding))
+        metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, rows=plan.num_rows,
+                             sessions=len(decoding), prefill=any(job["kind"] == "prefill" for job in jobs))
 
     def _rows(self, decoding: list[Session], drafts: dict):
         """Per-session SeqRows (verify trees first, then prefill chunks) and what to do with the output."""
@@ -208,7 +209,7 @@ class Engine:
 
     def _after_verify(self, s: Session, job, hidden, logits) -> None:
         length = self.table.length(s.id)
-        walk, logprobs = accept_session(s, job["tokens"], job["parents"], logits)
+        walk, logprobs = accept_session(s, job["tokens"], job["parents"], logits, self.config.force_accept_depth)
         self.cache.commit(s.id, walk.accepted_rows)
         if hidden is not None and s.features_on:
             s.features.append(length, hidden[walk.accepted_rows].cpu())
@@ -255,6 +256,9 @@ def build_engine(config, info=None) -> Engine:
     from verifier_service.runner import Runner
 
     runner = Runner(config, info)
+    if config.force_accept_depth:
+        log.warning("force_accept_depth_on", depth=config.force_accept_depth,
+                    note="TEST ONLY: drafted paths are accepted without the target's agreement")
     drafters = (DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000,
                               max_message_mb=config.drafter_max_message_mb) if config.drafter else None)
     return Engine(runner, config, drafters)

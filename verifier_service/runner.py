@@ -17,10 +17,11 @@ from service_kit.logs import get_logger
 from verifier_service import ranks
 from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service.model import ForwardOutput, K2Model, identity
+from verifier_service.model import ForwardOutput, K2Model, TargetWeights, identity
 from verifier_service.model_config import K2Config
 from verifier_service.plan import BatchPlan
-from verifier_service.weights import load_target_weights
+from verifier_service.synthetic import preset_config, random_target
+from verifier_service.weights import expert_range, load_target_weights
 
 log = get_logger("verifier.runner")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,7 +38,8 @@ def rank_device(config, rank: int) -> torch.device:
 class Runner:
     def __init__(self, config, info: ranks.RankInfo | None = None):
         self.info = info or ranks.RankInfo(0, 1, 0)
-        self.cfg = K2Config.from_json(config.model)
+        self.cfg = (preset_config(config.synthetic, config.synthetic_layers) if config.synthetic
+                    else K2Config.from_json(config.model))
         self.device = rank_device(config, self.info.rank)
         self.dtype = DTYPES[config.dtype]
         self.control = None
@@ -45,8 +47,7 @@ class Runner:
             self.control = ranks.Control(self.info, self.device, config.collective_timeout_s)
         world = self.info.world_size
         split = config.split_replicated and world > 1
-        weights = load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
-                                      ep_rank=self.info.rank, ep_size=world, split_replicated=split)
+        weights = self._weights(config, split)
         vocab_sizes = [len(ranks.split_range(self.cfg.vocab_size, r, world)) for r in range(world)]
         self.model = K2Model(self.cfg, weights, all_reduce=ranks.all_reduce if world > 1 else identity,
                              all_gather=ranks.all_gather_columns(vocab_sizes) if split else identity,
@@ -70,11 +71,27 @@ class Runner:
         log.info("rank_ready", rank=self.info.rank, world_size=self.info.world_size, device=str(self.device),
                  weight_bytes=self.weight_bytes, kv_pages=self.cache.table.num_pages, kv_bytes=self.kv_bytes)
 
+    def _weights(self, config, split: bool) -> TargetWeights:
+        rank, world = self.info.rank, self.info.world_size
+        if not config.synthetic:
+            return load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
+                                       ep_rank=rank, ep_size=world, split_replicated=split)
+        # No checkpoint (benchmarks): this rank's experts and heads drawn on its device; every part is
+        # seeded by its name, so the replicated parts agree across ranks.
+        experts = expert_range(self.cfg.n_routed_experts, rank, world)
+        heads = ranks.split_range(self.cfg.num_attention_heads, rank, world)
+        return random_target(self.cfg, experts=experts, heads=heads, device=self.device, dtype=self.dtype)
+
     def forward(self, plan: BatchPlan) -> ForwardOutput:
         """Rank 0: broadcast the plan (CPU tensors), then run it here."""
         if self.control is not None:
             self.control.send((FORWARD, _to(plan, "cpu"), self.target_layer_ids))
         return self._forward(_to(plan, self.device), self.target_layer_ids)
+
+    def sync(self) -> None:
+        """Wait for this rank's device (kernels and graph replays return before the GPU is done)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _forward(self, plan: BatchPlan, layer_ids) -> ForwardOutput:
         if self.graphs is not None and self.graphs.fits(plan):

@@ -82,7 +82,7 @@ def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
     table = engine.table
     drafters = engine.drafting.client.states() if engine.drafting else []
     return vpb.VerifierInfo(
-        model_name=config.model.rstrip("/").split("/")[-1], vocab_size=cfg.vocab_size,
+        model_name=model_name(config), vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, n_routed_experts=cfg.n_routed_experts,
         num_experts_per_tok=cfg.num_experts_per_tok, kv_lora_rank=cfg.kv_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim, max_context_length=max_context(engine, config),
@@ -93,6 +93,10 @@ def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
         live_sessions=engine.live_sessions, world_size=config.world_size, device=config.device, dtype=config.dtype,
         drafters=[vpb.DrafterReplica(address=a, state=s, sessions=n) for a, s, n in drafters],
         memory=[vpb.RankMemory(rank=r, device=d, weight_bytes=w, kv_cache_bytes=k) for r, d, w, k in runner.memory])
+
+
+def model_name(config: VerifierConfig) -> str:
+    return f"synthetic-{config.synthetic}" if config.synthetic else config.model.rstrip("/").split("/")[-1]
 
 
 def max_context(engine, config: VerifierConfig) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verifier_service.acceptance import Walk, filter_probs, sample_with_uniforms, walk_tree
+from verifier_service.acceptance import Walk, filter_probs, forced_walk, sample_with_uniforms, tree_depths, walk_tree
 from verifier_service.session import Session
 
 
@@ -20,17 +20,12 @@ def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[i
     return sample_with_uniforms(probs, u).tolist()
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    depths = [0]
-    for par in parents:
-        depths.append(depths[par] + 1)
-    return depths
-
-
-def accept_session(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor) -> tuple[Walk, list[float]]:
-    """logits [N+1, V] for rows [root, nodes…] → the walk and the logprob of each emitted token."""
+def accept_session(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor,
+                   force_depth: int = 0) -> tuple[Walk, list[float]]:
+    """logits [N+1, V] for rows [root, nodes…] → the walk and the logprob of each emitted token.
+    force_depth > 0: the TEST ONLY forced walk (acceptance.forced_walk), not the target's choice."""
     targets = target_tokens(s, logits, tree_depths(parents))
-    walk = walk_tree(tokens, parents, targets)
+    walk = forced_walk(tokens, parents, targets, force_depth) if force_depth else walk_tree(tokens, parents, targets)
     logprobs = []
     if s.params.return_logprobs:
         # Emitted token j was predicted by accepted row j (root first); bonus by the last accepted row.

@@ -1,13 +1,20 @@
 """Full-dimension Kimi K2.6 weights with random values, made directly on the device (no checkpoint).
 
-For benchmarks of the real shapes: `k26_config(layers)` is K2.6's text config with fewer layers, and
-`random_target` builds one rank's slice (its heads and experts) in the checkpoint's formats: bf16
-attention / dense / shared / embeddings / head, INT4 pack-quantized routed experts, fp32 router bias.
-Magnitudes keep activations O(1) so the numerics stay representative.
+For benchmarks of the real shapes and for `ddtree verifier --synthetic PRESET`: `preset_config` is
+K2.6's text config (`k26`) or a small model of the same architecture and vocabulary for CPU tests
+(`k26-mini`), optionally with fewer layers; `random_target` builds one rank's slice (its heads and
+experts) in the checkpoint's formats: bf16 attention / dense / shared / embeddings / head, INT4
+pack-quantized routed experts, fp32 router bias. Magnitudes keep activations O(1) so the numerics
+stay representative.
+
+Every tensor, and every head block and expert of a split tensor, draws from its own generator seeded
+by (seed, name): any rank of any world size builds the same values for the same parts, so the
+replicated parts agree across ranks and a model split over N ranks equals the unsplit one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -36,28 +43,63 @@ K26_TEXT_CONFIG = {  # reference/k26.md §1.2
                                 "group_size": 32, "dynamic": False}}}},
 }
 
+# CPU-test size, same architecture and the real vocabulary (token ids, BOS/EOS and the drafter's mask id
+# stay K2.6's, so one synthetic tokenizer serves both presets). 16 experts / 4 heads split over 2-7 ranks.
+K26_MINI_OVERRIDES = {
+    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
+PRESETS = {"k26": K26_TEXT_CONFIG, "k26-mini": {**K26_TEXT_CONFIG, **K26_MINI_OVERRIDES}}
+
+
+def preset_config(name: str, num_layers: int = 0) -> K2Config:
+    """The preset's config; `num_layers` > 0 replaces its layer count (layer 0 stays dense)."""
+    if name not in PRESETS:
+        raise ValueError(f"synthetic preset {name!r} is not one of {sorted(PRESETS)}")
+    raw = PRESETS[name]
+    return K2Config.from_json({**raw, "num_hidden_layers": num_layers or raw["num_hidden_layers"]})
+
 
 def k26_config(num_layers: int = 61) -> K2Config:
-    return K2Config.from_json({**K26_TEXT_CONFIG, "num_hidden_layers": num_layers})
+    return preset_config("k26", num_layers)
 
 
 class _Random:
-    def __init__(self, device, dtype, seed: int):
-        self.device, self.dtype = torch.device(device), dtype
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+    """Random tensors on the device, each from a generator keyed by (seed, *key)."""
 
-    def dense(self, out: int, inp: int) -> torch.Tensor:  # [out, in], std 1/sqrt(in)
-        t = torch.empty(out, inp, device=self.device, dtype=self.dtype)
-        return t.normal_(0.0, 1.0 / math.sqrt(inp), generator=self.gen)
+    def __init__(self, device, dtype, seed: int):
+        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
+
+    def gen(self, *key) -> torch.Generator:
+        digest = hashlib.blake2b(repr((self.seed, *key)).encode(), digest_size=8).digest()
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    def dense(self, key: tuple, out: int, inp: int, fan_in: int | None = None, dtype=None) -> torch.Tensor:
+        """[out, in], std 1/sqrt(fan_in) (default: in)."""
+        t = torch.empty(out, inp, device=self.device, dtype=dtype or self.dtype)
+        return t.normal_(0.0, 1.0 / math.sqrt(fan_in or inp), generator=self.gen(*key))
+
+    def head_rows(self, key: tuple, heads: range, rows: int, inp: int) -> torch.Tensor:
+        """[len(heads)·rows, in]: one [rows, in] block per head (q_b_proj, kv_b_proj)."""
+        blocks = [self.dense((*key, h), rows, inp) for h in heads]
+        return torch.cat(blocks) if blocks else torch.empty(0, inp, device=self.device, dtype=self.dtype)
+
+    def head_cols(self, key: tuple, heads: range, out: int, cols: int, fan_in: int) -> torch.Tensor:
+        """[out, len(heads)·cols]: one [out, cols] block per head (o_proj); std from the full fan-in."""
+        blocks = [self.dense((*key, h), out, cols, fan_in) for h in heads]
+        return torch.cat(blocks, 1) if blocks else torch.empty(out, 0, device=self.device, dtype=self.dtype)
 
     def norm(self, n: int) -> torch.Tensor:
         return torch.ones(n, device=self.device, dtype=self.dtype)
 
-    def int4(self, experts: int, out: int, inp: int) -> Int4Weight:
-        """Uniform random nibbles (q in [-8, 7], std ≈ 4.6) with scales giving std 1/sqrt(in)."""
-        packed = torch.randint(-2**31, 2**31 - 1, (experts, out, inp // 8), device=self.device,
-                               dtype=torch.int32, generator=self.gen)
-        scale = torch.full((experts, out, inp // 32), 1.0 / (4.6 * math.sqrt(inp)), device=self.device,
+    def int4(self, key: tuple, experts: range, out: int, inp: int) -> Int4Weight:
+        """Uniform random nibbles (q in [-8, 7], std ≈ 4.6) with scales giving std 1/sqrt(in), per expert."""
+        packed = torch.empty(len(experts), out, inp // 8, device=self.device, dtype=torch.int32)
+        for j, e in enumerate(experts):
+            packed[j].random_(-2**31, 2**31 - 1, generator=self.gen(*key, e))
+        scale = torch.full((len(experts), out, inp // 32), 1.0 / (4.6 * math.sqrt(inp)), device=self.device,
                            dtype=torch.bfloat16)
         return Int4Weight(packed, scale, (out, inp))
 
@@ -66,29 +108,30 @@ def random_target(cfg: K2Config, *, experts: range, heads: range, device="cuda",
                   seed: int = 0) -> TargetWeights:
     r = _Random(device, dtype, seed)
     layers = tuple(_layer(r, cfg, i, experts, heads) for i in range(cfg.num_hidden_layers))
-    return TargetWeights(embed_tokens=r.dense(cfg.vocab_size, cfg.hidden_size) * 50, layers=layers,
-                         norm=r.norm(cfg.hidden_size), lm_head=r.dense(cfg.vocab_size, cfg.hidden_size))
+    return TargetWeights(embed_tokens=r.dense(("embed",), cfg.vocab_size, cfg.hidden_size).mul_(50), layers=layers,
+                         norm=r.norm(cfg.hidden_size), lm_head=r.dense(("lm_head",), cfg.vocab_size, cfg.hidden_size))
 
 
 def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range) -> LayerWeights:
-    H, h = cfg.hidden_size, len(heads)
+    H = cfg.hidden_size
     attn = MLAWeights(
-        q_a_proj=r.dense(cfg.q_lora_rank, H), q_a_layernorm=r.norm(cfg.q_lora_rank),
-        q_b_proj=r.dense(h * cfg.qk_head_dim, cfg.q_lora_rank),
-        kv_a_proj_with_mqa=r.dense(cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
+        q_a_proj=r.dense((i, "q_a"), cfg.q_lora_rank, H), q_a_layernorm=r.norm(cfg.q_lora_rank),
+        q_b_proj=r.head_rows((i, "q_b"), heads, cfg.qk_head_dim, cfg.q_lora_rank),
+        kv_a_proj_with_mqa=r.dense((i, "kv_a"), cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
         kv_a_layernorm=r.norm(cfg.kv_lora_rank),
-        kv_b_proj=r.dense(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        o_proj=r.dense(H, h * cfg.v_head_dim))
+        kv_b_proj=r.head_rows((i, "kv_b"), heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank),
+        o_proj=r.head_cols((i, "o"), heads, H, cfg.v_head_dim, cfg.num_attention_heads * cfg.v_head_dim))
     if cfg.is_moe_layer(i):
-        I, E = cfg.moe_intermediate_size, len(experts)
-        stack = ExpertStack(gate_proj=r.int4(E, I, H), up_proj=r.int4(E, I, H), down_proj=r.int4(E, H, I),
-                            first=experts.start)
-        shared = MLPWeights(r.dense(I * cfg.n_shared_experts, H), r.dense(I * cfg.n_shared_experts, H),
-                            r.dense(H, I * cfg.n_shared_experts))
-        bias = torch.randn(cfg.n_routed_experts, device=r.device, generator=r.gen) * 0.01
-        mlp = MoEWeights(gate=r.dense(cfg.n_routed_experts, H).float(), e_score_correction_bias=bias,
+        I, n = cfg.moe_intermediate_size, cfg.n_routed_experts
+        stack = ExpertStack(gate_proj=r.int4((i, "gate"), experts, I, H), up_proj=r.int4((i, "up"), experts, I, H),
+                            down_proj=r.int4((i, "down"), experts, H, I), first=experts.start)
+        S = I * cfg.n_shared_experts
+        shared = MLPWeights(r.dense((i, "shared_gate"), S, H), r.dense((i, "shared_up"), S, H),
+                            r.dense((i, "shared_down"), H, S))
+        bias = torch.randn(n, device=r.device, generator=r.gen(i, "bias")) * 0.01
+        mlp = MoEWeights(gate=r.dense((i, "router"), n, H, dtype=torch.float32), e_score_correction_bias=bias,
                          experts=stack, shared_experts=shared)
     else:
-        mlp = MLPWeights(r.dense(cfg.intermediate_size, H), r.dense(cfg.intermediate_size, H),
-                         r.dense(H, cfg.intermediate_size))
+        D = cfg.intermediate_size
+        mlp = MLPWeights(r.dense((i, "gate"), D, H), r.dense((i, "up"), D, H), r.dense((i, "down"), H, D))
     return LayerWeights(input_layernorm=r.norm(H), self_attn=attn, post_attention_layernorm=r.norm(H), mlp=mlp)

@@ -1,0 +1,69 @@
+"""Synthetic full-dimension models for benchmarks without checkpoints (issue 10): random target slices
+agree across world sizes, the drafter presets carry the released config numbers, the synthetic tokenizer
+covers K2.6's vocabulary, and the expert-parallel floor matches reference/perf.md."""
+
+import pytest
+import torch
+
+from drafter_service.synthetic import preset_config as drafter_preset
+from drafter_service.synthetic import random_drafter
+from gateway.tiny_tokenizer import write_synthetic_tokenizer
+from gateway.tokenizer import KimiTokenizer
+from verifier_service.bench_verify import expected_max_experts
+from verifier_service.ranks import split_range
+from verifier_service.synthetic import k26_config, preset_config, random_target
+
+
+def rank_weights(cfg, rank: int, world: int):
+    return random_target(cfg, experts=split_range(cfg.n_routed_experts, rank, world),
+                         heads=split_range(cfg.num_attention_heads, rank, world), device="cpu", dtype=torch.float32)
+
+
+def test_random_target_slices_equal_the_unsplit_model():
+    """Every part is seeded by its name: replicated tensors agree on all ranks, split ones are slices."""
+    cfg = preset_config("k26-mini", 3)
+    full = rank_weights(cfg, 0, 1)
+    for rank in range(3):
+        part = rank_weights(cfg, rank, 3)
+        heads, experts = split_range(4, rank, 3), split_range(16, rank, 3)
+        assert torch.equal(part.embed_tokens, full.embed_tokens) and torch.equal(part.lm_head, full.lm_head)
+        for a, b in zip(part.layers, full.layers):
+            assert torch.equal(a.self_attn.kv_a_proj_with_mqa, b.self_attn.kv_a_proj_with_mqa)
+            rows = slice(heads.start * cfg.qk_head_dim, heads.stop * cfg.qk_head_dim)
+            assert torch.equal(a.self_attn.q_b_proj, b.self_attn.q_b_proj[rows])
+            cols = slice(heads.start * cfg.v_head_dim, heads.stop * cfg.v_head_dim)
+            assert torch.equal(a.self_attn.o_proj, b.self_attn.o_proj[:, cols])
+        moe_a, moe_b = part.layers[1].mlp, full.layers[1].mlp
+        assert torch.equal(moe_a.gate, moe_b.gate) and moe_a.experts.first == experts.start
+        assert torch.equal(moe_a.experts.down_proj.packed, moe_b.experts.down_proj.packed[experts.start:experts.stop])
+
+
+def test_presets_use_the_real_config_numbers():
+    cfg = k26_config()
+    assert (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.vocab_size, cfg.hidden_size) == (61, 384, 163840, 7168)
+    d = drafter_preset("k26")
+    assert (d.num_hidden_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
+            d.intermediate_size, d.block_size, d.mask_token_id, d.vocab_size) == (6, 7168, 64, 8, 128, 18432, 8,
+                                                                                  163838, 163840)
+    assert d.target_layer_ids == (1, 12, 24, 35, 47, 58)
+    mini, target = drafter_preset("k26-mini"), preset_config("k26-mini")
+    assert mini.hidden_size == target.hidden_size and max(mini.target_layer_ids) < target.num_hidden_layers
+    assert max(drafter_preset("k26", 4).target_layer_ids) < 4  # follows --synthetic-layers
+    model = random_drafter("k26-mini", dtype=torch.float32)
+    assert model.embed_tokens.shape == (163840, 128) and model.fc.weight.shape == (128, 256)
+
+
+def test_synthetic_tokenizer_covers_k26_ids(tmp_path):
+    info = write_synthetic_tokenizer(tmp_path)
+    tok = KimiTokenizer.from_dir(tmp_path)
+    assert tok.vocab_size == info["vocab_size"] == 163840
+    assert (info["bos_token_id"], info["eos_token_id"], info["mask_token_id"]) == (163584, 163585, 163838)
+    text = "Hello world 2026, synthetic."
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.token_bytes(163583) and tok.is_special(163838)
+
+
+@pytest.mark.parametrize("rows, want", [(1, 2.72), (8, 12.25), (64, 44.96)])
+def test_expected_max_experts_matches_perf_md(rows, want):
+    """reference/perf.md §3.2: the most-loaded of 7 ranks under uniform routing (Monte Carlo there too)."""
+    assert expected_max_experts(k26_config(), 7, rows) == pytest.approx(want, abs=0.15)
