@@ -23,7 +23,8 @@ from tools.train_loop import autocast, heldout_windows
 from tools.train_tokenizer import special_ids
 from verifier_service.int4 import quantize_int4_groupwise
 from verifier_service.model_config import K2Config
-from verifier_service.tiny_checkpoint import GROUP_SIZE, PREFIX, QUANTIZATION_CONFIG, TEXT_DEFAULTS, _write_shards
+from verifier_service.tiny_checkpoint import (GROUP_SIZE, PREFIX, QUANTIZATION_CONFIG, TEXT_DEFAULTS, _write_shards,
+                                              kimi_wrapper)
 
 # The target's architecture: K2.6's (DeepSeek-V3 MLA + MoE) scaled down; the rest of text_config is K2.6's.
 TARGET_TEXT = dict(
@@ -44,20 +45,7 @@ def wrapper_config(num_regular: int, text_overrides: dict | None = None, quantiz
     if quantized:
         text["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
     text.update(copy.deepcopy(text_overrides or {}))
-    return {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-                     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
-        "model_type": "kimi_k25",
-        "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": ids["pad_token_id"],
-        "tie_word_embeddings": False, "use_unified_vision_chunk": True,
-        "text_config": text,
-        "vision_config": {"model_type": "moonvit3d", "hidden_size": 8, "num_hidden_layers": 1,
-                          "num_attention_heads": 2, "patch_size": 2, "merge_kernel_size": [2, 2],
-                          "mm_projector_type": "patchmerger", "text_hidden_size": text["hidden_size"]},
-        "torch_dtype": "bfloat16",
-    }
+    return kimi_wrapper(text)
 
 
 def num_regular_ids(tokenizer_dir: str | Path) -> int:

@@ -61,6 +61,26 @@ TEXT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def kimi_wrapper(text: dict[str, Any]) -> dict[str, Any]:
+    """K2.5/K2.6's config.json: the kimi_k25 wrapper around `text` (a DeepSeek-V3 text_config), with
+    the wrapper's token ids taken from it and a stub vision_config (its tensors are skipped)."""
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+                     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+        "model_type": "kimi_k25",
+        "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+        "pad_token_id": text["pad_token_id"],
+        "tie_word_embeddings": False, "use_unified_vision_chunk": True,
+        "text_config": text,
+        "vision_config": {"model_type": "moonvit3d", "hidden_size": 8, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "patch_size": 2, "merge_kernel_size": [2, 2],
+                          "mm_projector_type": "patchmerger", "text_hidden_size": text["hidden_size"]},
+        "torch_dtype": "bfloat16",
+    }
+
+
 def write_tiny_target(
     out_dir: str | Path,
     *,
@@ -79,20 +99,7 @@ def write_tiny_target(
     text.update(vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos,
                 pad_token_id=vocab_size - 1, quantization_config=copy.deepcopy(QUANTIZATION_CONFIG))
     text.update(copy.deepcopy(overrides or {}))
-    config = {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-                     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
-        "model_type": "kimi_k25",
-        "bos_token_id": bos_token_id, "eos_token_id": eos, "pad_token_id": vocab_size - 1,
-        "tie_word_embeddings": False, "use_unified_vision_chunk": True,
-        "text_config": text,
-        "vision_config": {"model_type": "moonvit3d", "hidden_size": 8, "num_hidden_layers": 1,
-                          "num_attention_heads": 2, "patch_size": 2, "merge_kernel_size": [2, 2],
-                          "mm_projector_type": "patchmerger", "text_hidden_size": text["hidden_size"]},
-        "torch_dtype": "bfloat16",
-    }
+    config = kimi_wrapper(text)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards = _random_shards(text, torch.Generator().manual_seed(seed))
     _write_shards(out, shards)
