@@ -12,11 +12,11 @@ import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc as pb_grpc
 from service_kit.client import format_final
+from service_kit.health import wait_serving
 from service_kit.launcher import resolve_model
 
 PORTS = {"gateway": 50051, "verifier": 50052, "drafter": 50053}
@@ -25,21 +25,9 @@ SERVICES = {"gateway": "ddtree.v1.Generation", "verifier": "ddtree.internal.v1.V
 PROMPT = "class Stack:\n    def __init__(self):"
 
 
-def wait_serving(timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_all_serving(timeout_s: float = 180.0) -> None:
     for name, port in PORTS.items():
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=SERVICES[name]), timeout=2)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} not SERVING after {timeout_s}s")
-                time.sleep(0.3)
+        wait_serving(f"127.0.0.1:{port}", SERVICES[name], timeout_s)
         print(f"  {name:8s} SERVING on 127.0.0.1:{port}", file=sys.stderr)
 
 
@@ -69,7 +57,7 @@ def main() -> int:
            "--drafter-port", str(PORTS["drafter"])]
     stack = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
-        wait_serving()
+        wait_all_serving()
         with grpc.insecure_channel(f"127.0.0.1:{PORTS['gateway']}") as ch:
             stub = pb_grpc.GenerationStub(ch)
             info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)

@@ -121,24 +121,12 @@ def _start(name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> sub
 
 
 def _wait_serving(name: str, proc: subprocess.Popen, port: int, log_dir: Path) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from service_kit.health import wait_serving
 
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}); see {log_dir / name}.log")
-            try:
-                r = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service=SERVICES[name]), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not SERVING after {STARTUP_TIMEOUT_S} s")
-            time.sleep(0.2)
+    try:
+        wait_serving(f"127.0.0.1:{port}", SERVICES[name], STARTUP_TIMEOUT_S, alive=lambda: proc.poll() is None)
+    except RuntimeError:
+        raise RuntimeError(f"{name} exited ({proc.returncode}); see {log_dir / name}.log") from None
 
 
 def _stop(procs: dict[str, subprocess.Popen]) -> None:

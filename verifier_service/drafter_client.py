@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from ddtree.internal.v1 import drafter_pb2 as dpb
 from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
+from service_kit.health import is_serving
 from service_kit.logs import get_logger
 from service_kit.server import channel_options
 from service_kit.tensors import to_proto
@@ -174,7 +175,7 @@ class DrafterClient:
                 self._resolve()
                 last_resolve = time.monotonic()
             for r in list(self.replicas.values()):
-                ok = _serving(r.health)
+                ok = is_serving(r.health, DRAFTER_SERVICE)
                 if ok != r.healthy:
                     log.info("drafter_health_changed", replica=r.address, healthy=ok)
                     r.healthy = ok
@@ -186,14 +187,6 @@ class DrafterClient:
         self._stop.set()
         for r in self.replicas.values():
             r.channel.close()
-
-
-def _serving(health: health_pb2_grpc.HealthStub) -> bool:
-    try:
-        r = health.Check(health_pb2.HealthCheckRequest(service=DRAFTER_SERVICE), timeout=1)
-        return r.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def _item(r: DraftRequest) -> dpb.ProposeItem:
