@@ -26,6 +26,8 @@ class DrafterConfig(ServerConfig):
     window: int = option(4096, "context rows attended per session (sliding window; 0 = unlimited)")
     max_message_mb: int = option(512, "largest gRPC message, MiB (a resync carries up to `window` feature rows)")
     kernels: bool = option(True, "on GPU, build trees with the CUDA kernel (false: torch top-K + host heap)")
+    cuda_graphs: bool = option(True, "on GPU, replay each step's inject and block forward from CUDA graphs "
+                               "(false: eager launches)")
     cache_mb: int = option(256, "drafter KV cache budget in MiB; least recently used sessions are evicted")
 
     def __post_init__(self):

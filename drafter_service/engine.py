@@ -21,7 +21,8 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from .kv_cache import KVPool, context_batch, page_bytes
+from .graphs import DrafterGraphs, block_logits, inject_rows
+from .kv_cache import KVPool, context_tables, page_bytes
 from .model import DFlashDrafter
 from .sessions import CacheFullError, InjectPlan, Resync, SessionTable, UnknownSessionError
 from .tree import Tree, build_tree, topk_logprobs
@@ -46,6 +47,7 @@ class EngineOptions:
     max_tree_budget: int = 1024  # largest tree_budget accepted
     max_inject_rows: int = 8192  # rows per fc/k/v pass, bounds activation memory on long prefills
     use_kernels: bool = True  # on CUDA: kernels/ddtree_build (device top-K + tree) when k <= 64
+    cuda_graphs: bool = True  # on CUDA: replay inject and block forward from CUDA graphs (graphs.py)
 
     def __post_init__(self):
         if self.window is not None and self.window <= 0:
@@ -121,12 +123,16 @@ class DrafterEngine:
                                       cfg.head_dim, self.dtype)
         num_pages = options.cache_bytes // self._page_bytes
         window_pages = -(-options.window // options.page_size) + 1 if options.window else 1
-        if num_pages < window_pages:
+        if num_pages - 1 < window_pages:  # the pool's last page is the pad page (graph pad rows write there)
             raise ValueError(f"cache_bytes={options.cache_bytes} holds {num_pages} pages of {self._page_bytes} "
-                             f"bytes; one session's window of {options.window} rows needs {window_pages}")
+                             f"bytes; one session's window of {options.window} rows needs {window_pages} + 1")
         self.pool = KVPool(cfg.num_hidden_layers, num_pages, options.page_size, cfg.num_key_value_heads,
                            cfg.head_dim, self.dtype, self.device)
-        self.sessions = SessionTable(num_pages, options.page_size, options.window)
+        self.sessions = SessionTable(num_pages - 1, options.page_size, options.window)
+        self.graphs = None
+        if options.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DrafterGraphs(model, self.pool, pad_slot=(num_pages - 1) * options.page_size,
+                                        max_pages=window_pages if options.window else 256)
         self._lock = threading.Lock()
 
     @classmethod
@@ -135,6 +141,13 @@ class DrafterEngine:
              yarn_amplitude: float | None = None) -> "DrafterEngine":
         model = load_drafter(drafter_dir, target_dir, device=device, dtype=dtype, yarn_amplitude=yarn_amplitude)
         return cls(model, options, name=Path(drafter_dir).name)
+
+    def warm_up(self) -> int:
+        """Capture the CUDA graphs of the common step shapes before serving; returns how many exist."""
+        if self.graphs is None:
+            return 0
+        with self._lock, torch.inference_mode():
+            return self.graphs.capture_all(self.cfg.block_size)
 
     def info(self) -> DrafterInfo:
         cfg, opt = self.cfg, self.options
@@ -224,14 +237,16 @@ class DrafterEngine:
         rows = [(item.features[plan.skip:], plan) for item, plan in work if plan.slots]
         if not rows:
             return
-        features = torch.cat([f.to(self.device, non_blocking=True) for f, _ in rows])  # [n_total, F]
-        positions = torch.tensor([p for _, plan in rows for p in plan.positions], dtype=torch.int64)
-        slots = torch.tensor([s for _, plan in rows for s in plan.slots], dtype=torch.int64)
-        positions, slots = positions.to(self.device), slots.to(self.device)
+        features = torch.cat([f for f, _ in rows]) if len(rows) > 1 else rows[0][0]  # [n_total, F]
+        positions = np.fromiter((p for _, plan in rows for p in plan.positions), dtype=np.int64)
+        slots = np.fromiter((s for _, plan in rows for s in plan.slots), dtype=np.int64)
+        if self.graphs is not None and self.graphs.inject(features, positions, slots):
+            return
+        features = features.to(self.device, self.dtype, non_blocking=True)
+        positions, slots = torch.from_numpy(positions).to(self.device), torch.from_numpy(slots).to(self.device)
         step = self.options.max_inject_rows
         for lo in range(0, features.shape[0], step):
-            k, v = self.model.context_kv(features[lo:lo + step], positions[lo:lo + step])
-            self.pool.write(slots[lo:lo + step], k, v)
+            inject_rows(self.model, self.pool, features[lo:lo + step], positions[lo:lo + step], slots[lo:lo + step])
 
     def _draft(self, work: list[tuple[int, ProposeItem, InjectPlan]]) -> list[Proposal]:
         """One batched block forward over the sessions in `work`, then one tree per session."""
@@ -239,14 +254,14 @@ class DrafterEngine:
             return []
         cfg, horizon = self.cfg, self.cfg.horizon
         plans = [plan for _, _, plan in work]
-        block_ids = torch.full((len(work), cfg.block_size), cfg.mask_token_id, dtype=torch.int64)
-        block_ids[:, 0] = torch.tensor([item.root_token for _, item, _ in work])
-        roots = torch.tensor([plan.length for plan in plans], dtype=torch.int64)
-        block_pos = roots[:, None] + torch.arange(cfg.block_size)  # [B, Bk]: root at the cache length
-        ctx = context_batch(plans, self.options.page_size, self.device)
-        hidden = self.model.forward_block(block_ids.to(self.device), block_pos.to(self.device), ctx.positions,
-                                          ctx.valid, lambda layer: self.pool.gather(layer, ctx.slots))
-        logits = self.model.logits(hidden[:, 1:])  # [B, B-1, V]; slot 0 (the anchor) predicts nothing
+        block_ids = np.full((len(work), cfg.block_size), cfg.mask_token_id, dtype=np.int64)
+        block_ids[:, 0] = [item.root_token for _, item, _ in work]
+        block_pos = np.array([plan.length for plan in plans], dtype=np.int64)[:, None] + np.arange(cfg.block_size)
+        page_table, meta = context_tables(plans)  # block root at the cache length
+        logits = None if self.graphs is None else self.graphs.block(block_ids, block_pos, page_table, meta)
+        if logits is None:
+            dev = [torch.from_numpy(a).to(self.device) for a in (block_ids, block_pos, page_table, meta)]
+            logits = block_logits(self.model, self.pool, *dev)  # [B, B-1, V]
         ks = [1 if item.mode == DraftMode.CHAIN else min(item.tree_budget, self.model.vocab_size)
               for _, item, _ in work]
         if self._device_trees(work, ks):
@@ -259,7 +274,6 @@ class DrafterEngine:
             extra = (ids[b, :, :k].copy(), logprobs[b, :, :k].copy()) if item.return_draft_logprobs else (None, None)
             proposals.append(Proposal(item.session_id, tree, plan.length, *extra))
         return proposals
-
 
     def _device_trees(self, work, ks: list[int]) -> bool:
         """The CUDA builder takes one (k, budget) for the batch, k <= 64, and returns no top-K tables."""
@@ -276,10 +290,14 @@ class DrafterEngine:
         chain = item0.mode == DraftMode.CHAIN
         k = 1 if chain else min(item0.tree_budget, self.model.vocab_size)
         budget = self.cfg.horizon if chain else item0.tree_budget
-        tokens, parents, depths, count = (t.cpu().numpy() for t in ddtree_build(logits.contiguous(), k, budget))
-        return [Proposal(item.session_id, Tree(tokens[b, :n].copy(), parents[b, :n].copy(), depths[b, :n].copy()),
-                         plan.length)
-                for b, ((_, item, plan), n) in enumerate(zip(work, count.tolist()))]
+        tokens, parents, depths, count = ddtree_build(logits.contiguous(), k, budget)
+        # one device→host copy (the step's only sync): [B, 3 * budget + 1] int64
+        flat = torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1).cpu().numpy()
+        tokens, parents, depths = (flat[:, i * budget:(i + 1) * budget] for i in range(3))
+        count = flat[:, -1]
+        trees = [Tree(tokens[b, :n].copy(), parents[b, :n].astype(np.int32), depths[b, :n].astype(np.int32))
+                 for b, n in enumerate(count.tolist())]
+        return [Proposal(item.session_id, tree, plan.length) for (_, item, plan), tree in zip(work, trees)]
 
 
 def _is_int(x) -> bool:

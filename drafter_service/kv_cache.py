@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .sessions import InjectPlan
@@ -54,15 +55,27 @@ class ContextBatch:
     valid: torch.Tensor  # [B, Lc] bool: inside the session's window and already injected
 
 
-def context_batch(plans: Sequence[InjectPlan], page_size: int, device: torch.device) -> ContextBatch:
+def context_tables(plans: Sequence[InjectPlan]) -> tuple[np.ndarray, np.ndarray]:
+    """Host half of a ContextBatch: page_table [B, P] int64 (each session's pages, padded with page 0) and
+    meta [B, 3] int64 (first_pos, visible_from, length) per session."""
     max_pages = max(len(p.pages) for p in plans)
-    page_table = torch.zeros(len(plans), max_pages, dtype=torch.int64)
+    page_table = np.zeros((len(plans), max_pages), dtype=np.int64)
     for b, plan in enumerate(plans):
-        page_table[b, : len(plan.pages)] = torch.tensor(plan.pages, dtype=torch.int64)
-    meta = torch.tensor([[p.first_pos, p.visible_from, p.length] for p in plans], dtype=torch.int64)
-    page_table, meta = page_table.to(device), meta.to(device)
-    offsets = torch.arange(page_size, device=device)
-    slots = (page_table[:, :, None] * page_size + offsets).flatten(1)  # [B, max_pages * P]
-    positions = meta[:, :1] + torch.arange(slots.shape[1], device=device)  # pages are position-contiguous
+        page_table[b, : len(plan.pages)] = plan.pages
+    meta = np.array([[p.first_pos, p.visible_from, p.length] for p in plans], dtype=np.int64).reshape(-1, 3)
+    return page_table, meta
+
+
+def context_from_tables(page_table: torch.Tensor, meta: torch.Tensor, page_size: int) -> ContextBatch:
+    """Device half: slots, positions and visibility from the tables (no host sync: CUDA-graph safe). A row
+    of zeros in meta (a graph's pad session) sees no context key."""
+    offsets = torch.arange(page_size, device=page_table.device)
+    slots = (page_table[:, :, None] * page_size + offsets).flatten(1)  # [B, P * page_size]
+    positions = meta[:, :1] + torch.arange(slots.shape[1], device=page_table.device)  # pages are contiguous
     valid = (positions >= meta[:, 1:2]) & (positions < meta[:, 2:3])  # padding pages lie past `length`
     return ContextBatch(slots, positions, valid)
+
+
+def context_batch(plans: Sequence[InjectPlan], page_size: int, device: torch.device) -> ContextBatch:
+    page_table, meta = context_tables(plans)
+    return context_from_tables(torch.from_numpy(page_table).to(device), torch.from_numpy(meta).to(device), page_size)

@@ -15,6 +15,7 @@ from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import (DraftMode, DrafterEngine, EngineOptions, ItemError, Proposal, ProposeItem,
                                     UnknownSessionError)
+from drafter_service.metrics import PROPOSE_SECONDS
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import configure_logging, get_logger
 from service_kit.server import Service, run_server
@@ -65,11 +66,14 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
 
     async def Propose(self, request, context):
         engine = self._engine()
-        decoded = [item_from_proto(i, m) for i, m in enumerate(request.items)]
-        items = [d for d in decoded if isinstance(d, ProposeItem)]
-        done = iter(await asyncio.to_thread(engine.propose, items))
-        results = [d if isinstance(d, ItemError) else next(done) for d in decoded]
-        return dpb.ProposeResponse(results=[result_to_proto(r) for r in results])
+        with PROPOSE_SECONDS.labels("decode").time():
+            decoded = [item_from_proto(i, m) for i, m in enumerate(request.items)]
+            items = [d for d in decoded if isinstance(d, ProposeItem)]
+        with PROPOSE_SECONDS.labels("draft").time():
+            done = iter(await asyncio.to_thread(engine.propose, items))
+        with PROPOSE_SECONDS.labels("encode").time():
+            results = [d if isinstance(d, ItemError) else next(done) for d in decoded]
+            return dpb.ProposeResponse(results=[result_to_proto(r) for r in results])
 
     async def Release(self, request, context):
         try:
@@ -89,7 +93,8 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
 
 def load_engine(config: DrafterConfig) -> DrafterEngine:
     options = EngineOptions(cache_bytes=config.cache_mb * 2**20, window=config.window or None,
-                            max_tree_budget=config.max_tree_budget, use_kernels=config.kernels)
+                            max_tree_budget=config.max_tree_budget, use_kernels=config.kernels,
+                            cuda_graphs=config.cuda_graphs)
     if config.synthetic:  # benchmarks without checkpoints: random weights drawn on the device
         from drafter_service.synthetic import random_drafter
 
@@ -105,7 +110,10 @@ def main(config: DrafterConfig) -> int:
     servicer = DrafterServicer()
 
     async def warmup() -> None:
-        servicer.engine = await asyncio.to_thread(load_engine, config)
+        engine = await asyncio.to_thread(load_engine, config)
+        graphs = await asyncio.to_thread(engine.warm_up)
+        servicer.engine = engine
+        log.info("drafter_graphs", captured=graphs)
         log.info("drafter_ready", **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
 
     asyncio.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],

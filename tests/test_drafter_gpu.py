@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from drafter_service.engine import DraftMode, DrafterEngine, EngineOptions, Proposal, ProposeItem  # noqa: E402
+from drafter_service.graphs import INJECT_BUCKETS  # noqa: E402
 
 
 @pytest.mark.parametrize("mode, budget", [(DraftMode.DDTREE, 16), (DraftMode.DDTREE, 64), (DraftMode.CHAIN, 8)])
@@ -30,3 +31,38 @@ def test_device_trees_equal_host_trees(tmp_path, mode, budget):
             assert h.tree.tokens.tolist() == k.tree.tokens.tolist()
             assert h.tree.parents.tolist() == k.tree.parents.tolist()
             assert h.tree.depths.tolist() == k.tree.depths.tolist()
+
+
+def test_graph_replay_equals_eager(tmp_path):
+    """Inject and block forward replayed from CUDA graphs (padded rows, sessions and page tables) give the
+    trees of the eager path, across inject sizes inside and beyond the buckets and batches of 1-5 sessions."""
+    from service_kit.tools import make_tiny
+
+    d = make_tiny(tmp_path / "tiny")
+    engines = {g: DrafterEngine.load(d / "drafter", d, device="cuda", dtype=torch.float32,
+                                     options=EngineOptions(cache_bytes=64 << 20, window=256, page_size=16,
+                                                           cuda_graphs=g))
+               for g in (False, True)}
+    assert engines[True].graphs is not None and engines[False].graphs is None
+    width = engines[True].cfg.feature_width
+    g = torch.Generator().manual_seed(1)
+    lengths = {}
+    for step, (sessions, n) in enumerate([(1, 100), (3, 1), (5, 3), (2, 8), (5, 17), (1, 70), (4, 2), (2, 30), (1, 1),
+                                                   (5, 300)]):
+        items = []
+        for i in range(sessions):
+            sid = f"s{i}"
+            start = lengths.get(sid, 0)
+            items.append(ProposeItem(sid, start, torch.randn(n, width, generator=g), root_token=5 + i + step,
+                                     tree_budget=16))
+            lengths[sid] = start + n
+        eager, graphed = engines[False].propose(items), engines[True].propose(items)
+        for e, r in zip(eager, graphed):
+            assert isinstance(e, Proposal) and isinstance(r, Proposal), (step, e, r)
+            assert e.cache_len == r.cache_len
+            assert e.tree.tokens.tolist() == r.tree.tokens.tolist(), step
+            assert e.tree.parents.tolist() == r.tree.parents.tolist(), step
+    graphs = engines[True].graphs
+    assert set(graphs.inject_graphs) == {1, 4, 8, 16, 64} and graphs.block_graphs  # the graphs did run
+    assert engines[True].warm_up() == len(INJECT_BUCKETS) + 4 * 6  # batches 1-8 x page widths 1..16, 17
+    assert engines[False].warm_up() == 0

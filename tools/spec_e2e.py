@@ -1,9 +1,9 @@
 """End-to-end harness of `ddtree bench spec`: drafter, verifier and gateway as separate processes.
 
 The three services run on loopback (as tests/stack.py starts them); every prompt goes as token ids
-through the public Generate stream. The step-time split comes from the verifier's Prometheus
-histograms: draft (drafter RPC incl. its compute), verify, accept/commit, and the rest of the wall
-time (gateway, streaming, scheduling). Needs the generated gRPC stubs (imported only here).
+through the public Generate stream. The step-time split comes from the services' Prometheus
+histograms: draft (the drafter's engine time), rpc (the rest of the verifier's wait for Propose),
+verify, accept/commit, and the rest of the wall time (gateway, streaming, scheduling). Needs the generated gRPC stubs (imported only here).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict],
 
     from ddtree.v1 import generation_pb2_grpc as pb_grpc
 
-    ports = {k: _free_port() for k in ("drafter", "verifier", "gateway", "verifier_metrics")}
+    ports = {k: _free_port() for k in ("drafter", "verifier", "gateway", "verifier_metrics", "drafter_metrics")}
     cmds = _service_commands(model_dir, drafter_dir, device, dtype, ports, max([b for _, b in modes] + [16]))
     env = _service_env(device)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -61,10 +61,10 @@ def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict],
             for temp in temperatures:
                 ar_ids = None
                 for mode, budget in modes:
-                    before = _metric_sums(ports["verifier_metrics"])
+                    before = _metric_sums(ports["verifier_metrics"]) | _metric_sums(ports["drafter_metrics"])
                     outs = [_generate(stub, p["ids"], mode, budget, temp, seed + i, max_new)
                             for i, p in enumerate(prompts)]
-                    after = _metric_sums(ports["verifier_metrics"])
+                    after = _metric_sums(ports["verifier_metrics"]) | _metric_sums(ports["drafter_metrics"])
                     row = _row(outs, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}, mode, budget, temp)
                     ids = [o.ids for o in outs]
                     if mode == AR:
@@ -92,7 +92,8 @@ def _service_commands(model_dir: str | Path, drafter_dir: str | Path, device: st
     return {
         "drafter": [*base, "drafter", "--port", str(ports["drafter"]), "--model", str(drafter_dir),
                     "--target-model", str(model_dir), "--device", device, "--dtype", dtype,
-                    "--cache-mb", "32", "--max-tree-budget", str(max(max_budget, 64)), *common],
+                    "--cache-mb", "32", "--max-tree-budget", str(max(max_budget, 64)),
+                    "--metrics-port", str(ports["drafter_metrics"]), *common],
         "verifier": [*base, "verifier", "--port", str(ports["verifier"]), "--model", str(model_dir),
                      "--device", device, "--dtype", dtype, "--drafter", f"127.0.0.1:{ports['drafter']}",
                      "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
@@ -187,13 +188,15 @@ def _metric_sums(port: int) -> dict[str, float]:
 
 
 def _row(outs: list[Streamed], metrics: dict[str, float], mode: str, budget: int, temp: float) -> dict:
-    """metrics: the verifier's /metrics change over this mode's streams."""
+    """metrics: the verifier's and the drafter's /metrics change over this mode's streams."""
     steps = sum(o.final.spec_stats.verify_steps for o in outs)
     committed = sum(o.final.spec_stats.verify_steps * o.final.spec_stats.mean_acceptance_length for o in outs)
     decode_s = sum(o.decode_s for o in outs)
     decode_tokens = sum(len(o.ids) - 1 for o in outs)
     n_steps = max(metrics.get("ddtree_verify_step_seconds_count", 0.0), 1.0)
-    split = {"draft": metrics.get("ddtree_draft_seconds_sum", 0.0),
+    wait = metrics.get("ddtree_draft_seconds_sum", 0.0)  # the verifier waiting for Propose
+    compute = min(metrics.get('ddtree_drafter_propose_seconds_sum{phase="draft"}', 0.0), wait)
+    split = {"draft": compute, "rpc": wait - compute,
              "verify": metrics.get("ddtree_verify_step_seconds_sum", 0.0),
              "accept_commit": metrics.get("ddtree_accept_commit_seconds_sum", 0.0)}
     wall = sum(o.wall_s for o in outs)
@@ -202,9 +205,10 @@ def _row(outs: list[Streamed], metrics: dict[str, float], mode: str, budget: int
             "budget": budget if mode == DDTREE else 0, "temperature": temp, "prompts": len(outs),
             **speed_fields(steps, committed, decode_tokens, decode_s),
             "split_ms": {k: round(v / n_steps * 1e3, 3) for k, v in split.items()},
-            "split_note": "draft = the verifier waiting for the drafter RPC (split into draft "
-                          "compute + rpc when the in-process harness ran too); other = wall time "
-                          "outside verifier steps (gateway, streaming, prefill)"}
+            "split_note": "draft = the drafter's engine time per Propose (inject, block forward, tree "
+                          "build, device sync; its ddtree_drafter_propose_seconds); rpc = the rest of the "
+                          "verifier's wait for Propose (serialization, transport, scheduling); other = "
+                          "wall time outside verifier steps (gateway, streaming, prefill)"}
 
 
 def _divergences(ar_ids: list[list[int]], ids: list[list[int]]) -> dict:

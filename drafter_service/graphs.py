@@ -1,0 +1,165 @@
+"""The drafter's per-step device work, run eagerly or replayed from CUDA graphs.
+
+A propose step on the GPU is two pieces of device work (engine.py):
+  inject_rows  new target feature rows → context K/V written into the pool;
+  block_logits the batched block forward over the sessions' context → draft logits [B, Bk-1, V].
+Eagerly each is hundreds of small kernel launches (a kimi-tiny step: ~250 launches, 8 ms of host time for
+0.5 ms of GPU work, H200 2026-11-29), so on CUDA both replay from graphs captured per shape bucket:
+
+  inject: rows n padded to INJECT_BUCKETS; pad rows write to the pool's pad slot (a page no session owns);
+  block:  sessions padded to BATCH_BUCKETS (pad sessions: meta row 0 → no visible context key), page-table
+          width padded to the next power of two (pad pages lie past `length`: masked).
+
+Static inputs of a graph are views into one flat int64 device buffer, filled from a pinned host twin with
+one copy per replay. Inputs beyond the largest bucket (a resync of a long window, a very large batch) run
+eagerly. The service captures the common buckets while warming up (capture_all); any other bucket is captured
+on its first use. A capture follows one eager run of the same shapes (nothing may allocate or compile
+inside a capture); all graphs share one memory pool (they never replay concurrently: the engine's lock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .kv_cache import KVPool, context_from_tables
+from .model import DFlashDrafter
+
+INJECT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def inject_rows(model: DFlashDrafter, pool: KVPool, features: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """features [n, F] (model dtype), positions/slots [n] int64 → K/V of every layer written at `slots`."""
+    k, v = model.context_kv(features, positions)
+    pool.write(slots, k, v)
+
+
+def block_logits(model: DFlashDrafter, pool: KVPool, block_ids: torch.Tensor, block_pos: torch.Tensor,
+                 page_table: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """block_ids/block_pos [B, Bk], page_table [B, P], meta [B, 3] (kv_cache.context_tables) → fp32 logits
+    [B, Bk-1, V] of the block's slots 1.. (slot 0, the anchor, predicts nothing)."""
+    ctx = context_from_tables(page_table, meta, pool.page_size)
+    hidden = model.forward_block(block_ids, block_pos, ctx.positions, ctx.valid,
+                                 lambda layer: pool.gather(layer, ctx.slots))
+    return model.logits(hidden[:, 1:])
+
+
+class _Buffers:
+    """Named int64 arrays that are views into one flat device buffer and its pinned host twin."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device):
+        sizes = {k: int(np.prod(s)) for k, s in shapes.items()}
+        total = sum(sizes.values())
+        self.device_flat = torch.zeros(total, dtype=torch.int64, device=device)
+        self.host_flat = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        host = self.host_flat.numpy()
+        self.dev, self.host, off = {}, {}, 0
+        for k, shape in shapes.items():
+            self.dev[k] = self.device_flat[off: off + sizes[k]].view(shape)
+            self.host[k] = host[off: off + sizes[k]].reshape(shape)
+            off += sizes[k]
+
+    def upload(self) -> None:
+        # Asynchronous from pinned memory: the caller's step ends with a device→host read of the trees,
+        # so the host twin is never rewritten while a copy from it is pending.
+        self.device_flat.copy_(self.host_flat, non_blocking=True)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    buffers: _Buffers
+    features: torch.Tensor | None  # inject graphs: [n_bucket, F] static feature rows
+    out: torch.Tensor | None  # block graphs: [B_bucket, Bk-1, V] static logits
+
+
+class DrafterGraphs:
+    def __init__(self, model: DFlashDrafter, pool: KVPool, *, pad_slot: int, max_pages: int):
+        self.model, self.pool, self.pad_slot, self.max_pages = model, pool, pad_slot, max_pages
+        self.device = model.fc.weight.device
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.inject_graphs: dict[int, _Graph] = {}
+        self.block_graphs: dict[tuple[int, int], _Graph] = {}
+
+    def inject(self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray) -> bool:
+        """Replay the inject graph of len(positions) rows; False (nothing done) when too many rows."""
+        n = len(positions)
+        bucket = next((b for b in INJECT_BUCKETS if b >= n), None)
+        if bucket is None:
+            return False
+        g = self.inject_graphs.get(bucket) or self._capture_inject(bucket)
+        g.buffers.host["positions"][:n], g.buffers.host["positions"][n:] = positions, 0
+        g.buffers.host["slots"][:n], g.buffers.host["slots"][n:] = slots, self.pad_slot
+        g.buffers.upload()
+        g.features[:n].copy_(features, non_blocking=True)
+        g.graph.replay()
+        return True
+
+    def block(self, block_ids: np.ndarray, block_pos: np.ndarray, page_table: np.ndarray,
+              meta: np.ndarray) -> torch.Tensor | None:
+        """Replay the block graph of this batch; logits [B, Bk-1, V] (a view of the graph's static output,
+        valid until the next replay), or None when the batch or its page table is too large."""
+        B, P = page_table.shape
+        bucket = next((b for b in BATCH_BUCKETS if b >= B), None)
+        pages = 1 << max(P - 1, 0).bit_length()
+        if bucket is None or P > self.max_pages:
+            return None
+        pages = min(pages, self.max_pages)
+        g = self.block_graphs.get((bucket, pages)) or self._capture_block(bucket, pages, block_ids.shape[1])
+        h = g.buffers.host
+        for name, value in (("block_ids", block_ids), ("block_pos", block_pos), ("meta", meta)):
+            h[name][:B], h[name][B:] = value, 0
+        h["page_table"][:] = 0
+        h["page_table"][:B, :P] = page_table
+        g.buffers.upload()
+        g.graph.replay()
+        return g.out[:B]
+
+    def capture_all(self, block_size: int, max_batch: int = 8) -> int:
+        """Capture every inject bucket and the block graphs of batches up to `max_batch` sessions at every
+        page-table width, so that no step pays a capture (tens of ms each); returns the graphs held."""
+        for n in INJECT_BUCKETS:
+            if n not in self.inject_graphs:
+                self._capture_inject(n)
+        widths = sorted({min(1 << i, self.max_pages) for i in range(self.max_pages.bit_length() + 1)})
+        for b in (b for b in BATCH_BUCKETS if b <= max_batch):
+            for pages in widths:
+                if (b, pages) not in self.block_graphs:
+                    self._capture_block(b, pages, block_size)
+        return len(self.inject_graphs) + len(self.block_graphs)
+
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+        fn()  # eager run of the same shapes: loads kernels, warms the allocator
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            fn()
+        return graph
+
+    def _capture_inject(self, bucket: int) -> _Graph:
+        buffers = _Buffers({"positions": (bucket,), "slots": (bucket,)}, self.device)
+        buffers.dev["slots"].fill_(self.pad_slot)
+        features = torch.zeros(bucket, self.model.cfg.feature_width, dtype=self.model.fc.weight.dtype,
+                               device=self.device)
+        graph = self._capture(lambda: inject_rows(self.model, self.pool, features, buffers.dev["positions"],
+                                                  buffers.dev["slots"]))
+        g = self.inject_graphs[bucket] = _Graph(graph, buffers, features, None)
+        return g
+
+    def _capture_block(self, bucket: int, pages: int, block_size: int) -> _Graph:
+        buffers = _Buffers({"block_ids": (bucket, block_size), "block_pos": (bucket, block_size),
+                            "page_table": (bucket, pages), "meta": (bucket, 3)}, self.device)
+        d = buffers.dev
+        out: list[torch.Tensor] = []
+
+        def run() -> None:
+            out.append(block_logits(self.model, self.pool, d["block_ids"], d["block_pos"], d["page_table"],
+                                    d["meta"]))
+
+        graph = self._capture(run)
+        g = self.block_graphs[(bucket, pages)] = _Graph(graph, buffers, None, out[-1])
+        return g
