@@ -155,7 +155,8 @@ def bench_moe(copy_bw: float) -> list[dict]:
     mats = (experts.gate_proj, experts.up_proj, experts.down_proj)
     per_expert = sum(w.packed.nbytes + w.scale.nbytes for w in mats) / E  # bytes one expert streams
     rows = []
-    for active, n in ((1, 1), (3, 1), (8, 1), (8, 4), (8, 16), (16, 2), (55, 1), (55, 4), (55, 8), (55, 16)):
+    for active, n in ((1, 1), (3, 1), (8, 1), (8, 4), (8, 16), (16, 2), (55, 1), (55, 4), (55, 8), (55, 16),
+                      (55, 596)):  # the last: prefill, T = 4098
         T = n if active < k else math.ceil(active * n / k)
         ids, w = spread_routing(T, k, active, E)
         x = torch.randn(T, H, device="cuda").bfloat16()
@@ -163,36 +164,49 @@ def bench_moe(copy_bw: float) -> list[dict]:
         # rotate the experts between calls so a small working set is never re-read from L2
         shifted = [torch.where(ids < E, (ids + r * active) % E, ids) for r in range(max(1, min(6, E // active)))]
         t_ref = gpu_time([lambda: moe_w4a16_ref(x, ids, w, experts)], reps=3, graph=False)
-        for warps in (8, 4):  # K split of the gate/up blocks
-            moe.GATE_UP_WARPS = warps
+        t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
+        t2 = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])  # run-to-run spread
+        row = _row("moe_w4a16", f"T={T} experts={used} tok/exp={T * k // max(used, 1) if active >= k else n}",
+                   t, used * per_expert + 2 * x.nbytes, copy_bw, t_ref)
+        row["spread_us"] = abs(t - t2) * 1e6
+        if active in (1, 3, 8) or n == 16:
+            row["breakdown_us"] = kernel_breakdown(lambda: moe.moe_w4a16(x, ids, w, experts))
+        rows.append(row)
+        for split in ((1, 2, 4) if active <= 8 and n <= 4 else ()):  # forced gate/up K split (auto above)
+            moe.SPLIT = split
             t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
-            row = _row("moe_w4a16", f"T={T} experts={used} tok/exp={T * k // max(used, 1) if active >= k else n} "
-                       f"w={warps}", t, used * per_expert + 2 * x.nbytes, copy_bw, t_ref)
-            if warps == 8 and (active in (1, 8) or n == 16):
-                row["breakdown_us"] = kernel_breakdown(lambda: moe.moe_w4a16(x, ids, w, experts))
-            rows.append(row)
-        moe.GATE_UP_WARPS = None
+            rows.append(_row("moe_w4a16", f"T={T} experts={used} split={split}", t, used * per_expert + 2 * x.nbytes,
+                             copy_bw, t_ref))
+            moe.SPLIT = None
     return rows
 
 
-def bench_mla(copy_bw: float) -> list[dict]:
+MLA_CASES = ((10, 1, 4096), (10, 16, 4096), (10, 64, 4096), (10, 16, 32768), (10, 64, 32768),
+             (64, 1, 4096), (64, 16, 4096), (64, 64, 8192), (10, 1, 65536), (10, 16, 65536), (10, 64, 16384))
+BF16_FLOPS = 790e12  # dense bf16 matrix rate measured on the H200 (docs/BENCHMARKS.md)
+
+
+def bench_mla(copy_bw: float, configs: tuple = (None,)) -> list[dict]:
+    """Each case at the launcher's own config (None) and at any forced (query rows, key stages) in
+    `configs`. roof_frac = max(bytes / copy bandwidth, FLOPs / BF16_FLOPS) / time."""
     from kernels import mla_tree_attention as mla
 
     rows, scale = [], 0.14467963
-    cases = ((10, 1, 4096), (10, 16, 4096), (10, 64, 4096), (10, 16, 32768), (10, 64, 32768),
-             (64, 1, 4096), (64, 16, 4096), (64, 64, 8192))
-    for heads, n, prefix in cases:
+    for heads, n, prefix in MLA_CASES:
         copies = [mla_case([n], [prefix], heads, K26["PAGE"], seed=i) for i in range(4)]  # rotate: defeat L2
         keys = prefix + n
         flops = 2 * n * heads * keys * (576 + 512)
         nbytes = keys * 1152 + n * heads * (576 + 512) * 2
         t_ref = gpu_time([lambda: mla.mla_tree_attention_ref(*copies[0], scale)], reps=3, graph=False)
-        for ring in (1, 2):  # one key buffer (2 blocks/SM) vs a 2-deep ring (1 block/SM)
-            mla.RING = ring
+        for config in configs:
+            mla.CONFIG = config
             t = gpu_time([lambda c=c: mla.mla_tree_attention(*c, scale) for c in copies])
-            rows.append(_row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} ring={ring}", t, nbytes,
-                             copy_bw, t_ref, flops))
-        mla.RING = 1
+            tag = "auto" if config is None else "mt={} st={}".format(*config)
+            row = _row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} {tag}", t, nbytes, copy_bw,
+                       t_ref, flops)
+            row["roof_frac"] = max(nbytes / copy_bw, flops / BF16_FLOPS) / t
+            rows.append(row)
+        mla.CONFIG = None
     return rows
 
 
@@ -209,14 +223,6 @@ def bench_small(copy_bw: float) -> list[dict]:
         t = gpu_time([lambda s=s, d=d: kv_commit(kv, s, d) for s, d in zip(src, dst)])
         t_ref = gpu_time([lambda: kv_commit_ref(kv, src[0], dst[0])], graph=False)
         rows.append(_row("kv_commit", f"rows={n} layers={K26['LAYERS']}", t, nbytes, copy_bw, t_ref))
-    from kernels.ddtree_build import ddtree_build, ddtree_build_ref
-
-    for S, k, budget in ((1, 8, 16), (1, 16, 64), (8, 8, 16)):
-        logits = torch.randn(S, 15, 163840, device="cuda").bfloat16()  # block 16: depths 1..15
-        t = gpu_time([lambda: ddtree_build(logits, k, budget)] * 5)
-        t_ref = gpu_time([lambda: ddtree_build_ref(logits, k, budget)], reps=3, graph=False)
-        case = f"sessions={S} depth=15 k={k} budget={budget}"
-        rows.append(_row("ddtree_build", case, t, logits.nbytes, copy_bw, t_ref))
     for S, N in ((1, 16), (8, 64)):
         parents = torch.stack([torch.arange(N) // 2 for _ in range(S)]).cuda()  # binary-ish tree
         tokens = torch.randint(0, 4, (S, N), device="cuda")
@@ -227,20 +233,45 @@ def bench_small(copy_bw: float) -> list[dict]:
     return rows
 
 
-def main(preset: str = "k26", out: str | None = None) -> int:
+# (sessions, depths, k, budget): K2.6's drafter block 8 -> depths 1..7; the engine uses k = budget
+# (drafter_service/engine.py); k < budget and depth 15 (block 16) as in earlier sessions.
+DDTREE_CASES = ((1, 7, 8, 16), (8, 7, 8, 16), (8, 7, 16, 16), (8, 7, 16, 64), (8, 7, 64, 64), (8, 15, 16, 64),
+                (1, 15, 8, 16))
+
+
+def bench_ddtree(copy_bw: float, build=None) -> list[dict]:
+    """ddtree_build on bf16 logits [S, L, 163840] (randn x 3), rotating enough copies that the
+    calls do not hit L2 (H200: 50 MB). `build` times another implementation of the same signature."""
+    from kernels.ddtree_build import ddtree_build, ddtree_build_ref
+
+    build = build or ddtree_build
+    rows = []
+    for S, L, k, budget in DDTREE_CASES:
+        one = S * L * 163840 * 2
+        n = min(32, -(-128 * 10**6 // one))
+        copies = [(torch.randn(S, L, 163840, device="cuda") * 3).bfloat16() for _ in range(n)]
+        t = gpu_time([lambda x=x: build(x, k, budget) for x in copies])
+        t_ref = gpu_time([lambda: ddtree_build_ref(copies[0], k, budget)], reps=3, graph=False)
+        rows.append(_row("ddtree_build", f"sessions={S} depth={L} k={k} budget={budget}", t, one, copy_bw, t_ref))
+    return rows
+
+
+def main(preset: str = "k26", out: str | None = None, only: str | None = None) -> int:
     assert preset == "k26" and torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []
-    for bench in (bench_moe, bench_mla, bench_small):
-        rows += bench(bw)
+    for bench in (bench_moe, bench_mla, bench_small, bench_ddtree):
+        if only is None or only in bench.__name__:  # --only moe / mla / small / ddtree
+            rows += bench(bw)
     print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
           f"{'ref us':>10} {'x ref':>6}")
     for r in rows:
         ref = r["ref_us"]
         print(f"{r['kernel']:<20} {r['case']:<44} {r['us']:>9.1f} {r['MB']:>9.2f} {r['GBs']:>7.0f} "
-              f"{100 * r['copy_frac']:>5.0f}% {r['TFLOPs']:>8.1f} {ref:>10.1f} {ref / r['us']:>6.1f}")
+              f"{100 * r['copy_frac']:>5.0f}% {r['TFLOPs']:>8.1f} {ref:>10.1f} {ref / r['us']:>6.1f}"
+              + (f" {100 * r['roof_frac']:>4.0f}% roof" if "roof_frac" in r else ""))
     for r in rows:
         if "breakdown_us" in r:
             print(f"# {r['kernel']} {r['case']}: {r['breakdown_us']}")

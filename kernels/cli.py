@@ -37,7 +37,7 @@ def _check_cmd(args) -> int:
 def _bench_cmd(args) -> int:
     from kernels import bench
 
-    return bench.main(args.preset, args.out)
+    return bench.main(args.preset, args.out, getattr(args, "only", None))
 
 
 def add_parser(sub) -> None:
@@ -54,6 +54,7 @@ def add_bench_parser(bsub) -> None:
     bk = bsub.add_parser("kernels", help="time every kernel against its torch reference on the GPU")
     bk.add_argument("--preset", default="k26", choices=["k26"])
     bk.add_argument("--out", help="also write the table as JSON lines here")
+    bk.add_argument("--only", help="bench only the group whose name contains this: moe, mla, small, ddtree")
     bk.set_defaults(func=_bench_cmd)
 
 

@@ -1,235 +1,365 @@
 // Absorbed-MLA tree attention over the paged 576-wide latent cache (reference/k26.md §3.6).
 // MQA: every (row, head) query of a sequence attends the same keys [ĉ ; k_rope] (576) and values ĉ (512).
 //
-// Block = 8 warps, a tile of 32 query rows (flat (row, head) rows of one sequence) x one split of
-// that sequence's keys. Keys stream in 32-key tiles through NBUF cp.async buffers; per tile:
-//   S = Q Kᵀ   warp (mw, nw) computes rows 16mw..+15 x keys 8nw..+7 over 576 dims (mma m16n8k16)
-//   softmax    online, fp32, base 2; ancestor mask for tree keys; P rounded to bf16
-//   O += P V   warp w owns value dims 64w..64w+63 for all 32 rows (64 fp32 accumulators per thread)
-// Splits (gridDim.z > 1) write normalized partial O and base-2 LSE; mla_combine merges them.
+// Block = 8 warps, a tile of MT (16, 32 or 64) query rows (flat (row, head) rows of one sequence) x one
+// split of that sequence's keys. Keys stream in 64-key tiles (73.7 KB) through NSTAGE cp.async buffers.
+// Per key tile, three block barriers:
+//   S = Q Kᵀ   warp (rg, kg) computes rows 16rg..+15 x keys 8·NT·kg..+8NT-1 over all 576 dims (mma
+//              m16n8k16; RG = MT/16 row groups, KG = 8/RG key groups, NT = RG key n-tiles per warp);
+//              masked row maxima of each key group -> smem                                   | barrier
+//   softmax    online, fp32, base 2: every warp of a row group derives the same new row max, keeps its
+//              own partial row sums; P (bf16) and the rescale factor alpha -> smem            | barrier
+//   O += P V   warp w owns value dims 64w..64w+63 of all MT rows (2·MT fp32 accumulators per thread)
+// Shared rows are unpadded (1152 B for Q/K, 128 B for P): 16-byte chunk c of row r sits at chunk
+// c ^ (r & 7) of its 128-byte group, so the eight row addresses of every ldmatrix hit distinct banks.
+// Splits (gridDim.z > 1) write normalized partial O and base-2 LSE; mla_merge combines them.
 // Keys past a split's end are zero-filled, never read, so NaN in unused cache slots cannot leak.
 
-#define D 576      // key width: 512 latent + 64 rope
-#define DV 512     // value width (the latent)
-#define KT 32      // keys per tile
-#define QT 32      // query rows per block
-#define LDS 584    // smem row stride (u16): 1168 B, rows land 4 banks apart -> conflict-free ldmatrix
-#define SS 36      // fp32 score row stride
-#define PS 40      // bf16 P row stride: 80 B
+#define D 576     // key width: 512 latent + 64 rope
+#define DV 512    // value width (the latent)
+#define KT 64     // keys per tile
+#define ROWB 1152 // bytes per Q/K row in smem (72 chunks of 16 B)
+#define PB 128    // bytes per P row in smem (KT bf16)
 
-template <int NBUF>
+template <int MT, int NSTAGE>
 struct Smem {
-  u16 q[QT * LDS];
-  u16 k[NBUF][KT * LDS];
-  float s[QT * SS];
-  u16 p[QT * PS];
-  float m[QT], l[QT], alpha[QT];
+  unsigned char q[MT * ROWB];
+  unsigned char k[NSTAGE][KT * ROWB];
+  unsigned char p[MT * PB];
+  float red[128];  // [KG][MT] (KG·MT = 128): per key group row maxima; at the end, row sums
+  float alpha[MT];
+  float m[MT];
+  int qrange[4];  // q0, q_end for the epilogue (kept out of registers through the key loop)
 };
 
-// Grid (ceil(R*h / QT), B, splits); block 256; dynamic smem sizeof(Smem<NBUF>): 80 KB with one key
-// buffer (the default: two blocks share an SM and overlap each other's loads; fits sm_120's 99 KB),
-// 117 KB with a 2-deep ring (one block per SM; sm_90 only).
+struct Seq {  // one block's sequence, query tile and key range; all 32-bit (registers are tight)
+  const i64* page_table;  // [B, npages] (kernel argument)
+  const i64* write_slots;  // [T] (kernel argument)
+  int pt0, ws0;  // this sequence's page-table row start, first tree row
+  int L, kbeg, kend, q0, q_end;  // positions and flat query rows: < 2^31
+  int page_size;
+};
+
+// Slot of key j of the sequence, or -1 past the split's end (then zero-filled, not read).
+// Slots of one layer's cache fit 32 bits (2^31 slots would be 2.4 TB).
+__device__ __forceinline__ int key_slot(const Seq& s, int j) {
+  if (j >= s.kend) return -1;
+  if (j < s.L) return (int)s.page_table[s.pt0 + j / s.page_size] * s.page_size + j % s.page_size;
+  return (int)s.write_slots[s.ws0 + j - s.L];
+}
+
+// 16-byte cp.async of row `row` (smem rows of 1152 B) from global row src: thread (lr = tid / 8,
+// sub = tid % 8) copies chunks sub + 8i, i < 9, so 8 lanes stream 128 contiguous bytes at a time.
+__device__ __forceinline__ void copy_row(unsigned char* dst, int row, const u16* src, bool ok, int sub) {
+  unsigned char* d = dst + row * ROWB + (((sub ^ row) & 7) << 4);
+#pragma unroll
+  for (int i = 0; i < 9; ++i) cp_async16_zfill(d + 128 * i, src + (ok ? 8 * sub + 64 * i : 0), ok);
+}
+
+// S = Q Kᵀ for this warp's 16 rows x 8·NT keys over 576 dims. acc[n][c]: CH = 4/NT independent
+// chains per n-tile hide the MMA latency. Out: s[n][4] in mma D layout.
+template <int NT>
+__device__ __forceinline__ void qk_tile(const unsigned char* qa, const unsigned char* kb, int lane, float (&s)[NT][4]) {
+  constexpr int CH = 4 / NT;
+  float acc[NT * CH][4] = {};
+  const int r7 = lane & 7, hi = lane >> 4, c4 = (lane >> 3) & 3;
+#pragma unroll 2
+  for (int grp = 0; grp < 9; ++grp) {  // 64 dims = 8 chunks = 4 k-steps
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {  // 2 k-steps: 2 A fragments, one x4 per n-tile
+      u32 a[2][4], b[NT][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) ldmatrix_x4(a[i], qa + 128 * grp + ((((4 * kp + 2 * i + hi) ^ r7) & 7) << 4));
+#pragma unroll
+      for (int n = 0; n < NT; ++n) ldmatrix_x4(b[n], kb + n * 8 * ROWB + 128 * grp + ((((4 * kp + c4) ^ r7) & 7) << 4));
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+          mma_bf16(acc[n * CH + (2 * kp + i) % CH], a[i][0], a[i][1], a[i][2], a[i][3], b[n][2 * i], b[n][2 * i + 1]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = 0.f;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) v += acc[n * CH + c][e];
+      s[n][e] = v;
+    }
+}
+
+// O[rows, 64w..64w+63] = alpha · O + P V for one key tile; o[mi][n]: rows 16mi + g (+8), dims 64w + 8n + 2t.
+template <int RG>
+__device__ __forceinline__ void pv_tile(const unsigned char* sp, const unsigned char* kv_tile, const float* alpha,
+                                        int warp, int lane, float (&o)[RG][8][4]) {
+  const int g = lane >> 2, r7 = lane & 7, hi = lane >> 4;
+#pragma unroll
+  for (int mi = 0; mi < RG; ++mi) {
+    const float alo = alpha[16 * mi + g], ahi = alpha[16 * mi + g + 8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) o[mi][n][0] *= alo, o[mi][n][1] *= alo, o[mi][n][2] *= ahi, o[mi][n][3] *= ahi;
+  }
+#pragma unroll
+  for (int kk = 0; kk < KT / 16; ++kk) {
+    const int sw = (((2 * kk + hi) ^ r7) & 7) << 4;
+    u32 a[RG][4];
+#pragma unroll
+    for (int mi = 0; mi < RG; ++mi) ldmatrix_x4(a[mi], sp + (16 * mi + (lane & 15)) * PB + sw);
+    const unsigned char* vrow = kv_tile + (16 * kk + (lane & 15)) * ROWB + 128 * warp;
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      u32 v[4];
+      ldmatrix_x4_trans(v, vrow + ((((2 * np + hi) ^ r7) & 7) << 4));
+#pragma unroll
+      for (int mi = 0; mi < RG; ++mi) {
+        mma_bf16(o[mi][2 * np], a[mi][0], a[mi][1], a[mi][2], a[mi][3], v[0], v[1]);
+        mma_bf16(o[mi][2 * np + 1], a[mi][0], a[mi][1], a[mi][2], a[mi][3], v[2], v[3]);
+      }
+    }
+  }
+}
+
+// Scale and mask this warp's scores in place (-inf = not visible); -> masked row maxima of rows g, g+8.
+// Visible: key j < kend and (prefix key, or tree key whose tree_mask bit is set for the query's row).
+// tm0, tm1: offsets of the two query rows' tree-mask rows in tm, -1 for padding queries.
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], const Seq& sq, int j0, bool full,
+                                            const unsigned char* __restrict__ tm, int tm0, int tm1,
+                                            float scale2, float& mx0, float& mx1) {
+  mx0 = mx1 = NEG_INF;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + 8 * n + (e & 1), tmo = e < 2 ? tm0 : tm1;
+      const bool vis = full || (j < sq.kend && (j < sq.L || (tmo >= 0 && tm[tmo + j - sq.L])));
+      s[n][e] = vis ? s[n][e] * scale2 : NEG_INF;
+      if (e < 2) mx0 = fmaxf(mx0, s[n][e]);
+      else mx1 = fmaxf(mx1, s[n][e]);
+    }
+#pragma unroll
+  for (int d = 1; d < 4; d <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+  }
+}
+
+// Online-softmax step of one row (this thread's 2·NT scores of it, s[n][lo], s[n][lo+1]):
+// m: running max (in), tile max across key groups (tmax) -> new max; returns alpha; adds to l.
+template <int NT>
+__device__ __forceinline__ float softmax_row(float (&s)[NT][4], int lo, float tmax, float& m, float& l) {
+  const float m_new = fmaxf(m, tmax), m_use = m_new == NEG_INF ? 0.f : m_new;
+  const float alpha = exp2f(m - m_use);
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    s[n][lo] = exp2f(s[n][lo] - m_use), s[n][lo + 1] = exp2f(s[n][lo + 1] - m_use);
+    sum += s[n][lo] + s[n][lo + 1];
+  }
+  m = m_new, l = l * alpha + sum;
+  return alpha;
+}
+
+// Epilogue: normalized rows of this warp's 64 value dims -> bf16 out, or fp32 o_part + LSE (splits).
+// red [KG][MT]: row sums of each key group; msm [MT]: final row maxima.
+template <int RG>
+__device__ __forceinline__ void write_out(const float (&o)[RG][8][4], const float* red, const float* msm,
+                                          const Seq& sq, int warp, int lane, bool split, int z, int TH,
+                                          u16* __restrict__ out, float* __restrict__ o_part,
+                                          float* __restrict__ lse_part) {
+  constexpr int MT = 16 * RG, KG = 8 / RG;
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < RG; ++mi)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int row = 16 * mi + g + 8 * hf;
+      const i64 qr = sq.q0 + row;
+      if (sq.q0 + row >= sq.q_end) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int k = 0; k < KG; ++k) l += red[k * MT + row];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int col = 64 * warp + 8 * n + 2 * t4;
+        const float v0 = o[mi][n][2 * hf] * inv, v1 = o[mi][n][2 * hf + 1] * inv;
+        if (split)
+          *reinterpret_cast<float2*>(&o_part[((i64)z * TH + qr) * DV + col]) = make_float2(v0, v1);
+        else
+          *reinterpret_cast<u32*>(&out[qr * DV + col]) = pack_bf16x2(v0, v1);
+      }
+    }
+  const int row = 32 * warp + lane;
+  if (split && row < MT && sq.q0 + row < sq.q_end) {
+    float l = 0.f;
+#pragma unroll
+    for (int k = 0; k < KG; ++k) l += red[k * MT + row];
+    lse_part[(i64)z * TH + sq.q0 + row] = l > 0.f ? msm[row] + __log2f(l) : NEG_INF;
+  }
+}
+
+// Issue the cp.async copies of the 64-key tile whose slots this thread fetched (rows lr, lr + 32).
+__device__ __forceinline__ void issue_tile(unsigned char* dst, const u16* kv, const int (&slot)[2], int lr, int sub) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) copy_row(dst, lr + 32 * r, kv + (slot[r] < 0 ? 0 : (i64)slot[r] * D), slot[r] >= 0, sub);
+  cp_async_commit();
+}
+
+// Slots of this thread's rows lr, lr + 32 of the tile starting at key kb.
+__device__ __forceinline__ void fetch_slots(int (&slot)[2], const Seq& sq, int kb, int lr) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) slot[r] = key_slot(sq, kb + lr + 32 * r);
+}
+
+
+// Grid (ceil(R*h / MT), B, splits); block 256; dynamic smem sizeof(Smem<MT, NSTAGE>) (MT=64, NSTAGE=2:
+// 225 KB, one block per SM on sm_90; MT=16, NSTAGE=1: 94 KB, fits sm_120's 99 KB).
+// Pipeline (NSTAGE=2): tiles 0 and 1 are issued before the loop; at the top of tile it >= 1 tile it+1
+// goes into the buffer tile it-1 freed. The slots of the next tile to issue are fetched a tile ahead
+// (sA), so no page-table load latency sits on the issue path.
 // q [T*h, 576] bf16; kv [slots, 576] bf16 (one layer); page_table [B, npages]; prefix_lens [B];
 // row_starts [B+1]; tree_mask [T, R] bool; write_slots [T]. scale2 = softmax_scale * log2(e).
 // splits == 1: out [T*h, 512] bf16. splits > 1: o_part [splits, T*h, 512] fp32, lse_part [splits, T*h].
-template <int NBUF>
-__global__ void __launch_bounds__(256) mla_tree_attn(
+template <int MT, int NSTAGE>
+__global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     const u16* __restrict__ q, const u16* __restrict__ kv, const i64* __restrict__ page_table, int npages,
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
     float scale2, int chunk, int TH, u16* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem<NBUF>& sm = *reinterpret_cast<Smem<NBUF>*>(smem_raw);
+  constexpr int RG = MT / 16, KG = 8 / RG, NT = RG;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Smem<MT, NSTAGE>& sm = *reinterpret_cast<Smem<MT, NSTAGE>*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  const int b = blockIdx.y;
-  const i64 r0 = row_starts[b], rb = row_starts[b + 1] - r0, L = prefix_lens[b];
-  const i64 q0 = r0 * h + (i64)blockIdx.x * QT, q_end = (r0 + rb) * h;
-  const i64 kbeg = (i64)blockIdx.z * chunk, kend = min(kbeg + chunk, L + rb);
-  if (q0 >= q_end || kbeg >= kend) return;
+  const int lr = tid >> 3, sub = tid & 7, b = blockIdx.y;
+  const int r0 = (int)row_starts[b], rb = (int)row_starts[b + 1] - r0;
+  Seq sq;
+  sq.page_table = page_table, sq.write_slots = write_slots, sq.page_size = page_size;
+  sq.pt0 = b * npages, sq.ws0 = r0;
+  sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + blockIdx.x * MT, sq.q_end = (r0 + rb) * h;
+  sq.kbeg = blockIdx.z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
+  if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
+  if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
 
-  for (int i = tid; i < QT * (D / 8); i += 256) {  // Q tile: 72 16-byte pieces per row
-    const int r = i / (D / 8), c = i % (D / 8);
-    const bool ok = q0 + r < q_end;
-    cp_async16_zfill(&sm.q[r * LDS + c * 8], q + (ok ? (q0 + r) * D + c * 8 : 0), ok);
+  for (int row = lr; row < MT; row += 32) {  // Q tile, zero rows past the sequence's queries
+    const bool ok = sq.q0 + row < sq.q_end;
+    copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
   }
-  auto load_keys = [&](int buf, i64 kb) {
-    for (int i = tid; i < KT * (D / 8); i += 256) {
-      const int r = i / (D / 8), c = i % (D / 8);
-      const i64 j = kb + r;
-      i64 slot = 0;
-      if (j < kend) slot = j < L ? page_table[(i64)b * npages + j / page_size] * page_size + j % page_size
-                                 : write_slots[r0 + (j - L)];
-      cp_async16_zfill(&sm.k[buf][r * LDS + c * 8], kv + slot * D + c * 8, j < kend);
-    }
-  };
-  load_keys(0, kbeg);
-  cp_async_commit();
-  if (tid < QT) sm.m[tid] = NEG_INF, sm.l[tid] = 0.f;
+  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT;
+  int sA[2];  // slots of this thread's rows of the next tile to issue
+  fetch_slots(sA, sq, sq.kbeg, lr);
+  issue_tile(sm.k[0], kv, sA, lr, sub);  // commits Q with it
+  fetch_slots(sA, sq, sq.kbeg + KT, lr);
+  if (NSTAGE == 2 && ntiles > 1) {
+    issue_tile(sm.k[NSTAGE - 1], kv, sA, lr, sub);
+    fetch_slots(sA, sq, sq.kbeg + 2 * KT, lr);
+  }
 
-  float o[2][8][4] = {};
-  const int ntiles = (int)((kend - kbeg + KT - 1) / KT);
+  const int rg = warp % RG, kg = warp / RG, ra = 16 * rg + g;  // S role: rows ra, ra + 8
+  const int tm0 = sq.q0 + ra < sq.q_end ? (sq.q0 + ra) / h * R : -1;  // tree-mask rows of queries ra, ra + 8
+  const int tm1 = sq.q0 + ra + 8 < sq.q_end ? (sq.q0 + ra + 8) / h * R : -1;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  float o[RG][8][4] = {};
+  const int vis_end = min(sq.L, sq.kend);  // keys below it are visible to every query
   for (int it = 0; it < ntiles; ++it) {
-    const int buf = it % NBUF;
-    const i64 kb = kbeg + (i64)it * KT;
-    if (NBUF == 2) {
-      if (it + 1 < ntiles) load_keys(buf ^ 1, kb + KT);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
+    const int buf = NSTAGE == 2 ? it & 1 : 0;
+    const int kb = sq.kbeg + it * KT;
+    if (NSTAGE == 2 && it == 0 && ntiles > 1) cp_async_wait<1>();  // tile 1 may still be on its way
+    else cp_async_wait<0>();
+    __syncthreads();  // tile it landed for all threads; every warp is done with tile it-1
+    if (NSTAGE == 2 && it >= 1 && it + 1 < ntiles) {
+      issue_tile(sm.k[buf ^ 1], kv, sA, lr, sub);
+      fetch_slots(sA, sq, kb + 2 * KT, lr);
     }
+    float s[NT][4];
+    qk_tile<NT>(sm.q + (16 * rg + (lane & 15)) * ROWB, sm.k[buf] + (8 * NT * kg + (lane & 7)) * ROWB, lane, s);
+    float mx0, mx1;
+    mask_scores<NT>(s, sq, kb + 8 * NT * kg + 2 * t4, kb + KT <= vis_end, tree_mask, tm0, tm1, scale2,
+                    mx0, mx1);
+    if (t4 == 0) sm.red[kg * MT + ra] = mx0, sm.red[kg * MT + ra + 8] = mx1;
     __syncthreads();
-    {  // S = Q Kᵀ; four independent accumulator chains over k-steps hide the MMA latency
-      const int mw = warp >> 2, nw = warp & 3;
-      float s[4][4] = {};
-      const u16* qa = &sm.q[(16 * mw + (lane & 15)) * LDS + (lane >> 4) * 8];
-      const u16* kb_ = &sm.k[buf][(8 * nw + (lane & 7)) * LDS + (lane >> 3) * 8];
-#pragma unroll 3
-      for (int ks = 0; ks < D / 16; ks += 4) {
-        u32 a[4][4], bk[2][4];
+    float tmax0 = NEG_INF, tmax1 = NEG_INF;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) ldmatrix_x4(a[i], qa + (ks + i) * 16);
-        ldmatrix_x4(bk[0], kb_ + ks * 16);  // dims ks*16 + {0, 8, 16, 24}
-        ldmatrix_x4(bk[1], kb_ + ks * 16 + 32);
+    for (int k = 0; k < KG; ++k)
+      tmax0 = fmaxf(tmax0, sm.red[k * MT + ra]), tmax1 = fmaxf(tmax1, sm.red[k * MT + ra + 8]);
+    const float al0 = softmax_row<NT>(s, 0, tmax0, m0, l0), al1 = softmax_row<NT>(s, 2, tmax1, m1, l1);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          mma_bf16(s[i], a[i][0], a[i][1], a[i][2], a[i][3], bk[i >> 1][2 * (i & 1)], bk[i >> 1][2 * (i & 1) + 1]);
-      }
-      float* srow = &sm.s[(16 * mw + g) * SS + 8 * nw + 2 * t4];
-      *reinterpret_cast<float2*>(srow) =
-          make_float2(s[0][0] + s[1][0] + s[2][0] + s[3][0], s[0][1] + s[1][1] + s[2][1] + s[3][1]);
-      *reinterpret_cast<float2*>(srow + 8 * SS) =
-          make_float2(s[0][2] + s[1][2] + s[2][2] + s[3][2], s[0][3] + s[1][3] + s[2][3] + s[3][3]);
+    for (int n = 0; n < NT; ++n) {  // P row ra / ra+8, keys 8(NT·kg + n) + 2t4: chunk NT·kg + n
+      const int off = ((((NT * kg + n) ^ g) & 7) << 4) + 4 * t4;
+      *reinterpret_cast<u32*>(sm.p + ra * PB + off) = pack_bf16x2(s[n][0], s[n][1]);
+      *reinterpret_cast<u32*>(sm.p + (ra + 8) * PB + off) = pack_bf16x2(s[n][2], s[n][3]);
     }
+    if (kg == 0 && t4 == 0) sm.alpha[ra] = al0, sm.alpha[ra + 8] = al1;
     __syncthreads();
-    {  // online softmax: 8 threads per row, 4 keys each
-      const int row = tid >> 3, sub = tid & 7;
-      const i64 qr = q0 + row, trow = qr / h;
-      float x[4], mx = NEG_INF;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const i64 j = kb + 4 * sub + i;
-        const bool vis = qr < q_end && j < kend && (j < L || tree_mask[trow * R + (j - L)]);
-        x[i] = vis ? sm.s[row * SS + 4 * sub + i] * scale2 : NEG_INF;
-        mx = fmaxf(mx, x[i]);
-      }
-#pragma unroll
-      for (int d = 1; d < 8; d <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-      const float m_old = sm.m[row], m_new = fmaxf(m_old, mx), m_use = m_new == NEG_INF ? 0.f : m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sum += (x[i] = exp2f(x[i] - m_use));
-#pragma unroll
-      for (int d = 1; d < 8; d <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-      *reinterpret_cast<uint2*>(&sm.p[row * PS + 4 * sub]) =
-          make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
-      __syncwarp();  // every lane of the row has read sm.m[row] before lane 0 rewrites it
-      if (sub == 0) {
-        const float alpha = exp2f(m_old - m_use);
-        sm.alpha[row] = alpha, sm.m[row] = m_new, sm.l[row] = sm.l[row] * alpha + sum;
-      }
-    }
-    __syncthreads();
-    {  // O = alpha * O + P V over this warp's 64 value dims
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const float alo = sm.alpha[16 * m + g], ahi = sm.alpha[16 * m + g + 8];
-#pragma unroll
-        for (int n = 0; n < 8; ++n) o[m][n][0] *= alo, o[m][n][1] *= alo, o[m][n][2] *= ahi, o[m][n][3] *= ahi;
-      }
-#pragma unroll
-      for (int kk = 0; kk < KT / 16; ++kk) {
-        u32 a[2][4];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) ldmatrix_x4(a[m], &sm.p[(16 * m + (lane & 15)) * PS + kk * 16 + (lane >> 4) * 8]);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          u32 v[4];
-          ldmatrix_x4_trans(v, &sm.k[buf][(kk * 16 + (lane & 15)) * LDS + 64 * warp + 16 * np + (lane >> 4) * 8]);
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {
-            mma_bf16(o[m][2 * np], a[m][0], a[m][1], a[m][2], a[m][3], v[0], v[1]);
-            mma_bf16(o[m][2 * np + 1], a[m][0], a[m][1], a[m][2], a[m][3], v[2], v[3]);
-          }
-        }
-      }
-    }
-    __syncthreads();  // the next tile may now overwrite this buffer
-    if (NBUF == 1 && it + 1 < ntiles) {
-      load_keys(0, kb + KT);
-      cp_async_commit();
+    pv_tile<RG>(sm.p, sm.k[buf], sm.alpha, warp, lane, o);
+    if (NSTAGE == 1 && it + 1 < ntiles) {
+      __syncthreads();  // the single buffer is free
+      issue_tile(sm.k[0], kv, sA, lr, sub);
+      fetch_slots(sA, sq, kb + 2 * KT, lr);
     }
   }
 
-  const bool split = gridDim.z > 1;
+  // row sums: this thread's keys -> its key group (shuffle over t4) -> all groups (smem)
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int row = 16 * m + g + 8 * hf;
-      const i64 qr = q0 + row;
-      if (qr >= q_end) continue;
-      const float l = sm.l[row], inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const int col = 64 * warp + 8 * n + 2 * t4;
-        const float v0 = o[m][n][2 * hf] * inv, v1 = o[m][n][2 * hf + 1] * inv;
-        if (split)
-          *reinterpret_cast<float2*>(&o_part[((i64)blockIdx.z * TH + qr) * DV + col]) = make_float2(v0, v1);
-        else
-          *reinterpret_cast<u32*>(&out[qr * DV + col]) = pack_bf16x2(v0, v1);
-      }
-    }
-  if (split && tid < QT && q0 + tid < q_end)
-    lse_part[(i64)blockIdx.z * TH + q0 + tid] = sm.l[tid] > 0.f ? sm.m[tid] + __log2f(sm.l[tid]) : NEG_INF;
+  for (int d = 1; d < 4; d <<= 1) l0 += __shfl_xor_sync(0xffffffffu, l0, d), l1 += __shfl_xor_sync(0xffffffffu, l1, d);
+  if (t4 == 0) sm.red[kg * MT + ra] = l0, sm.red[kg * MT + ra + 8] = l1;
+  if (kg == 0 && t4 == 0) sm.m[ra] = m0, sm.m[ra + 8] = m1;
+  __syncthreads();
+  sq.q0 = sm.qrange[0], sq.q_end = sm.qrange[1];
+  write_out<RG>(o, sm.red, sm.m, sq, warp, lane, gridDim.z > 1, blockIdx.z, TH, out, o_part, lse_part);
 }
 
-// Merge splits: out[r] = Σ_z 2^(lse_z - M) o_z / Σ_z 2^(lse_z - M). Grid T*h; block 512 = 4 split
-// groups x 128 float4 columns, so each thread has only nsplit/4 independent loads in its chain.
-// Requires splits <= 256.
-extern "C" __global__ void __launch_bounds__(512) mla_combine(
+// Merge splits: out[r] = Σ_z 2^(lse_z - M) o_z / Σ_z 2^(lse_z - M). Grid (T*h, 4); block 256 = 8 split
+// groups x 32 lanes, lane = 4 columns (float4) of the block's 128, so each thread has nsplit/8
+// independent loads in flight. Requires splits <= 1024.
+extern "C" __global__ void __launch_bounds__(256) mla_merge(
     const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
     const i64* __restrict__ row_starts, int B, int h, int chunk, int TH, u16* __restrict__ out) {
-  __shared__ float wz[256], red[16];
-  __shared__ float4 part[3][DV / 4];
+  __shared__ float wz[1024], red[8];
+  __shared__ float4 part[7][32];
   const i64 qr = blockIdx.x, t = qr / h;
-  const int tid = threadIdx.x, col = tid & 127, zg = tid >> 7;
+  const int tid = threadIdx.x, lane = tid & 31, zg = tid >> 5;
   int b = 0;
   while (b + 1 < B && row_starts[b + 1] <= t) ++b;
   const i64 kv_len = prefix_lens[b] + row_starts[b + 1] - row_starts[b];
   const int nsplit = (int)((kv_len + chunk - 1) / chunk);
   float mx = NEG_INF;
-  for (int z = tid; z < nsplit; z += 512) mx = fmaxf(mx, wz[z] = lse_part[(i64)z * TH + qr]);
+  for (int z = tid; z < nsplit; z += 256) mx = fmaxf(mx, wz[z] = lse_part[(i64)z * TH + qr]);
   for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  if (lane == 0) red[zg] = mx;
   __syncthreads();
   mx = red[0];
-  for (int w = 1; w < 16; ++w) mx = fmaxf(mx, red[w]);
+  for (int w = 1; w < 8; ++w) mx = fmaxf(mx, red[w]);
+  if (mx == NEG_INF) mx = 0.f;  // no split saw a key: all weights 0, output 0
   __syncthreads();  // red is reused below
   float wsum = 0.f;
-  for (int z = tid; z < nsplit; z += 512) wsum += (wz[z] = exp2f(wz[z] - mx));  // -inf (saw no key) -> 0
+  for (int z = tid; z < nsplit; z += 256) wsum += (wz[z] = exp2f(wz[z] - mx));  // -inf (saw no key) -> 0
   for (int d = 16; d > 0; d >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, d);
-  if ((tid & 31) == 0) red[tid >> 5] = wsum;
-  __syncthreads();
+  if (lane == 0) red[zg] = wsum;
+  __syncthreads();  // also publishes wz
   wsum = 0.f;
-  for (int w = 0; w < 16; ++w) wsum += red[w];
+  for (int w = 0; w < 8; ++w) wsum += red[w];
+  const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 128 * blockIdx.y) + lane;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
-  for (int z = zg; z < nsplit; z += 4) {
+  for (int z = zg; z < nsplit; z += 8) {
     const float w = wz[z];
-    const float4 v = reinterpret_cast<const float4*>(o_part + ((i64)z * TH + qr) * DV)[col];
+    const float4 v = src[(i64)z * TH * (DV / 4)];
     acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
   }
-  if (zg) part[zg - 1][col] = acc;
+  if (zg) part[zg - 1][lane] = acc;
   __syncthreads();
   if (zg == 0) {
-    for (int j = 0; j < 3; ++j) {
-      const float4 p = part[j][col];
+#pragma unroll
+    for (int j = 0; j < 7; ++j) {
+      const float4 p = part[j][lane];
       acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
     }
-    const float inv = 1.f / wsum;
-    *reinterpret_cast<uint2*>(out + qr * DV + 4 * col) =
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    *reinterpret_cast<uint2*>(out + qr * DV + 128 * blockIdx.y + 4 * lane) =
         make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
   }
 }

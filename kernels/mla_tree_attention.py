@@ -15,7 +15,8 @@ write_slots  int64 [T]      slot already holding each row's own latent (scratch 
 Row t of sequence b attends its prefix (keys 0..L-1) and its visible tree rows, values = the keys'
 first 512 dims: o_lat = softmax(scale · q·k) ĉ. The caller applies W_UV and o_proj. Same arguments as
 verifier_service/plan.py BatchPlan fields. Kernel: bf16 MMAs, fp32 softmax/accumulation, split-K
-over long prefixes merged by LSE; all (row, head) queries of a sequence share each key tile load.
+over long prefixes merged by LSE (split count from shapes and the SM count: graph-safe); the (row,
+head) queries of a sequence share each key tile load, up to 64 per block.
 """
 
 from __future__ import annotations
@@ -28,30 +29,49 @@ import torch
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = "mla_tree_attention.cu"
-NAMES = ("mla_tree_attn<1>", "mla_tree_attn<2>", "mla_combine")
-D, DV, KT, QT = 576, 512, 32, 32
+# (query rows per block, key-tile stages): 64-key tiles of 73.7 KB. sm_90: 2 stages, one block per SM
+# (MT=64: 225 KB of smem); (16, 1) is 94 KB and fits sm_120's 99 KB.
+CONFIGS = ((16, 2), (32, 2), (64, 2), (16, 1))
+NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS) + ("mla_merge",)
+D, DV, KT = 576, 512, 64
+MAX_SPLITS = 1024  # mla_merge's limit
+CONFIG = None  # (MT, NSTAGE) forced by the bench / tests; None: _config picks
+SPLITS = None  # split count forced by the bench; None: _split picks
 
 
-def _smem(nbuf: int) -> int:  # sizeof(Smem<NBUF>) in the .cu
-    return QT * 584 * 2 + nbuf * KT * 584 * 2 + QT * 36 * 4 + QT * 40 * 2 + 3 * QT * 4
-
-
-# Key-tile buffers per block. 1: 80 KB of shared memory, two blocks per SM (fits sm_120's 99 KB);
-# that beat a 2-deep ring at one block per SM by 25-35% on H200 (docs/BENCHMARKS.md).
-RING = 1
+def _smem(mt: int, nstage: int) -> int:  # sizeof(Smem<MT, NSTAGE>) in the .cu
+    return mt * 1152 + nstage * KT * 1152 + mt * 128 + (128 + 2 * mt + 4) * 4
 
 
 @functools.cache
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _device(device: int) -> tuple[int, int, int]:
+    """-> (SMs, opt-in smem per block, smem per SM) in bytes."""
+    p = torch.cuda.get_device_properties(device)
+    per_block = getattr(p, "shared_memory_per_block_optin", 99 * 1024)
+    return p.multi_processor_count, per_block, getattr(p, "shared_memory_per_multiprocessor", per_block)
 
 
-def _split(q_blocks: int, max_keys: int, sms: int) -> tuple[int, int]:
-    """-> (splits, keys per split): enough blocks for ~2 waves, at least two key tiles per split
-    (a split also pays for its query tile and its share of the merge)."""
+def _config(q_rows: int, smem_block: int) -> tuple[int, int]:
+    """Query tile: the smallest of 16/32/64 rows holding a sequence's (row, head) queries, else 64
+    (more query rows per key tile: fewer smem bytes per MMA). Two key stages where they fit."""
+    mt = 16 if q_rows <= 16 else 32 if q_rows <= 32 else 64
+    mt, ns = CONFIG if CONFIG is not None else (mt, 2)
+    return (mt, ns) if _smem(mt, ns) <= smem_block else (16, 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(q_blocks: int, max_keys: int, slots: int, forced: int | None = None) -> tuple[int, int]:
+    """-> (splits, keys per split) from shapes only (graph-safe). Minimizes waves x (tiles per split
+    + 0.5), where `slots` blocks run at once and 0.5 tile stands for a split's partial-O write and
+    merge; ties go to fewer splits. `forced`: the bench's split count instead."""
     tiles = max(1, math.ceil(max_keys / KT))
-    splits = min(math.ceil(tiles / 2), max(1, math.ceil(2 * sms / q_blocks)), 256)  # 256: mla_combine's limit
-    chunk = math.ceil(tiles / splits) * KT
+    best = (math.inf, 1, tiles)
+    for s in range(1, min(tiles, MAX_SPLITS) + 1) if forced is None else (min(forced, tiles, MAX_SPLITS),):
+        per = math.ceil(tiles / s)
+        cost = math.ceil(q_blocks * s / slots) * (per + (0.5 if s > 1 else 0.0))
+        if cost < best[0]:
+            best = (cost, s, per)
+    chunk = best[2] * KT
     return math.ceil(max_keys / chunk), chunk
 
 
@@ -71,15 +91,19 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
         return out
     ker = get_kernels(cuda_source(CODE), NAMES)
     page_size = kv_cache.shape[1]
-    q_blocks = math.ceil(R * h / QT)
-    splits, chunk = _split(B * q_blocks, page_table.shape[1] * page_size + R, _sms(q.device.index or 0))
+    sms, smem_block, smem_sm = _device(q.device.index or 0)
+    mt, ns = _config(R * h, smem_block)
+    smem = _smem(mt, ns)
+    per_sm = max(1, min(smem_sm // (smem + 1024), 2 if ns == 1 else 1))  # 1 KB: per-block reserve
+    q_blocks = math.ceil(R * h / mt)
+    splits, chunk = _split(B * q_blocks, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
-    launch(ker[f"mla_tree_attn<{RING}>"], (q_blocks, B, splits), 256, q, kv_cache, page_table, page_table.shape[1],
-           page_size, prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e),
-           chunk, T * h, out, o_part, lse, smem=_smem(RING))
+    launch(ker[f"mla_attn<{mt}, {ns}>"], (q_blocks, B, splits), 256, q, kv_cache, page_table, page_table.shape[1], page_size,
+           prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e), chunk,
+           T * h, out, o_part, lse, smem=smem)
     if splits > 1:
-        launch(ker["mla_combine"], T * h, 512, o_part, lse, prefix_lens, row_starts, B, h, chunk, T * h, out)
+        launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, chunk, T * h, out)
     return out
 
 

@@ -1,11 +1,16 @@
 // Routed-expert SwiGLU over compressed-tensors pack-quantized INT4 weights (reference/k26.md §4).
-// Four launches: moe_route (group pairs by local expert) -> moe_gemm<0> (gate/up + SiLU·up -> act)
-// -> moe_gemm<1> (down -> y per pair) -> moe_combine (Σ_k w·y per token, bf16).
+// Launches: moe_route (group pairs by local expert, zero the arrival counters) -> moe_gemm<0>
+// (gate/up + SiLU·up -> act) -> moe_gemm<1> (down -> y per pair; for T <= fuse_t the last block of
+// each 16-row output tile also does the combine) -> moe_combine (Σ_k w·y per token, only T > fuse_t).
 //
 // GEMM tiling: a block owns 16 output rows of one expert (both gate and up rows in mode 0) and all
-// of that expert's tokens; its NW warps split K. Each warp streams its K-slice of packed words and
-// scales through a STAGES-deep cp.async ring, decodes nibbles to bf16 in registers and runs
-// m16n8k16 tensor-core MMAs with the tokens as the N=8 side. Weight bytes are read once per pass.
+// of that expert's tokens; its NW warps split K, and for few active experts the gate/up K is also
+// split over `split` blocks (blockIdx.z) so that every SM streams: each block writes an fp32 partial
+// and the last block of a tile to arrive (atomic counter) sums them in split order and applies SiLU.
+// Each warp streams its K-slice of packed words and scales through a STAGES-deep cp.async ring,
+// reads them with ldmatrix (word t of a row's 16-byte group piece lands in lane 4g+t: exactly the
+// fragment layout below), decodes nibbles to bf16 in registers and runs m16n8k16 tensor-core MMAs
+// with the tokens as the N=8 side. Weight bytes are read once per pass over 8*NT tokens.
 //
 // K permutation: thread (g, t) of a quad holds word t of a 32-input scale group (inputs 8t..8t+7);
 // nibble pairs (i, i+4) become bf16x2 fragments, and the activations get the same permutation
@@ -14,16 +19,18 @@
 
 #define CG 4                 // scale groups (32 inputs each) per stage: 64 B of words per row
 #define STAGES 4
-#define ROWW (CG * 4 + 4)    // words per staged row; the 4-word pad makes word reads bank-conflict free
+#define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
 // Pairs p = t*k + s of the [T, k] routing; local expert e = topk_ids[p] - first, owned iff 0 <= e < E.
 // offsets[E+1]: sorted rows of expert e are offsets[e]..offsets[e+1]-1; order[row] = pair index;
 // active[0..*num_active) = experts with rows, ascending. Row order inside an expert is irrelevant:
-// every token column of the GEMMs is computed independently. Dynamic smem: 2*E ints.
+// every token column of the GEMMs is computed independently. Also zeroes counters[0..ncnt) (the
+// gemm kernels' arrival counters). Dynamic smem: 2*E ints.
 extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int E, int* offsets,
-                                     int* order, int* active, int* num_active) {
+                                     int* order, int* active, int* num_active, int* counters, int ncnt) {
   extern __shared__ int cnt[];  // [E] counts, then [E] cursors
   int* cur = cnt + E;
+  for (int i = threadIdx.x; i < ncnt; i += blockDim.x) counters[i] = 0;
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
@@ -53,39 +60,241 @@ extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int 
 __device__ __forceinline__ void dequant(u32 w, u32 (&p)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    u32 t = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+    u32 t;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(w >> (4 * i)), "n"(0x000F000F), "n"(0x43004300));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p[i]) : "r"(t), "r"(0x3F803F80u), "r"(0xC308C308u));
   }
+}
+
+// ldmatrix.x4 at a shared-window address: lane 4g+t gets word t of row g of each of the 4 8x(16 B)
+// matrices whose row addresses lanes 8j..8j+7 supply.
+__device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 template <int MT>
 struct Stage {  // one warp's share of one pipeline stage
   u32 w[MT][16 * ROWW];  // packed words, 16 rows x CG groups x 4 words (+pad)
-  u16 s[MT][16 * CG];    // bf16 scales, 16 rows x CG groups
+  u16 s[MT][16 * CG];    // bf16 scales, 16 rows x CG groups (8 B per row)
 };
 
+// One warp's K loop for one pass: acc[m][n] (16 rows x 8 tokens, fragment layout of mma_bf16) +=
+// Σ over the warp's chunks gc = slot, slot + stride, ... (nch of them) of scale · (q · x), for the
+// NV <= NT token tiles that hold real tokens (compile-time, so the chunk body has no branches).
+// Wm/Sm: the tile's first row of words / scales; xr[n]: this lane's token row of B, + 8t.
+template <int MT, int NT, int NV>
+__device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm)[MT], const u16* const (&Sm)[MT],
+                                          int KW, int KG, const u16* const (&xr)[NT], int slot, int stride, int nch,
+                                          float (&acc)[MT][NT][4]) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  // cp.async: lane copies 16-byte pieces (row lane/4 + 8j, group lane%4) of every matrix, j = 0, 1,
+  // and lanes 0-15 the 8 bytes of row `lane`'s scales; sources advance by `stride` chunks per issue.
+  const u32* wsrc[MT];
+  const u16* ssrc[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    wsrc[m] = Wm[m] + (i64)g * KW + (slot * CG + t) * 4;
+    ssrc[m] = Sm[m] + (i64)(lane & 15) * KG + slot * CG;
+  }
+  const i64 wstep = (i64)8 * KW;
+  const int wadv = stride * CG * 4, sadv = stride * CG;
+  const u32 ring_sh = smem_addr(ring);
+  const u32 cp_w = (g * ROWW + t * 4) * 4, cp_s = 16 * ROWW * 4 * MT + (lane & 15) * CG * 2;  // byte offsets
+  // ldmatrix: lanes 8j..8j+7 address rows 0-7 (j even) / 8-15 (j odd) of group j/2 (+2 for the 2nd).
+  const u32 lm = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROWW * 4 + (lane >> 4) * 16;
+  u32 st_issue = ring_sh;  // stage being filled, as a shared address
+  auto issue = [&]() {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const u32 dst = st_issue + m * 16 * ROWW * 4 + cp_w;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(wsrc[m]));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 8 * ROWW * 4), "l"(wsrc[m] + wstep));
+      if (lane < 16)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(st_issue + cp_s + m * 16 * CG * 2), "l"(ssrc[m]));
+      wsrc[m] += wadv;
+      ssrc[m] += sadv;
+    }
+    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh
+                                                                                   : st_issue + sizeof(Stage<MT>);
+  };
+  const u16* xp[NV];  // x of the next chunk to load
+#pragma unroll
+  for (int n = 0; n < NV; ++n) xp[n] = xr[n] + slot * CG * 32;
+  const int xadv = stride * CG * 32;
+  uint4 xc[NV][CG];  // activations of chunk c, refilled with chunk c+1 right after use (one ahead)
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nch) issue();
+    cp_async_commit();
+  }
+  if (nch > 0) {
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+#pragma unroll
+      for (int q = 0; q < CG; ++q) xc[n][q] = *reinterpret_cast<const uint4*>(xp[n] + q * 32);
+      xp[n] += xadv;
+    }
+  }
+  u32 st_use = ring_sh;  // stage being consumed
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait<STAGES - 2>();
+    __syncwarp();
+    if (c + STAGES - 1 < nch) issue();
+    cp_async_commit();
+    u32 wr[MT][2][4];  // [m][group pair][lo q, hi q, lo q+1, hi q+1] (lo: row g, hi: row g+8)
+    uint2 sc[MT][2];   // [m][row g, g+8]: 4 bf16 scales each
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const u32 wb = st_use + m * 16 * ROWW * 4 + lm, sb = st_use + 16 * ROWW * 4 * MT + m * 16 * CG * 2;
+      ldsm4(wr[m][0], wb);
+      ldsm4(wr[m][1], wb + 32);
+      asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][0].x), "=r"(sc[m][0].y) : "r"(sb + g * CG * 2));
+      asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][1].x), "=r"(sc[m][1].y) : "r"(sb + (g + 8) * CG * 2));
+    }
+    st_use = st_use + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
+    const bool more = c + 1 < nch;
+#pragma unroll
+    for (int q = 0; q < CG; ++q) {
+      u32 b[NV][4];
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const uint4 r = xc[n][q];
+        b[n][0] = __byte_perm(r.x, r.z, 0x5410);  // inputs (0,4)
+        b[n][1] = __byte_perm(r.x, r.z, 0x7632);  // (1,5)
+        b[n][2] = __byte_perm(r.y, r.w, 0x5410);  // (2,6)
+        b[n][3] = __byte_perm(r.y, r.w, 0x7632);  // (3,7)
+        if (more) xc[n][q] = *reinterpret_cast<const uint4*>(xp[n] + q * 32);
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        u32 lo[4], hi[4];
+        dequant(wr[m][q >> 1][2 * (q & 1)], lo);
+        dequant(wr[m][q >> 1][2 * (q & 1) + 1], hi);
+        const u32 s0 = (q >> 1) ? sc[m][0].y : sc[m][0].x, s1 = (q >> 1) ? sc[m][1].y : sc[m][1].x;
+        const float slo = __uint_as_float((q & 1) ? s0 & 0xFFFF0000u : s0 << 16);
+        const float shi = __uint_as_float((q & 1) ? s1 & 0xFFFF0000u : s1 << 16);
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_bf16(d, lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
+          mma_bf16(d, lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
+          acc[m][n][0] += slo * d[0];
+          acc[m][n][1] += slo * d[1];
+          acc[m][n][2] += shi * d[2];
+          acc[m][n][3] += shi * d[3];
+        }
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NV; ++n) xp[n] += xadv;
+  }
+  cp_async_wait<0>();
+}
+
+// Last-arriver election: every block of a group bumps *cnt once after its global writes; the block
+// that makes it `expected` gets true and may read what the others wrote (through L2: __ldcg).
+__device__ __forceinline__ bool arrive_last(int* cnt, int expected) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(cnt, 1) == expected - 1;
+  __syncthreads();
+  __threadfence();
+  return last;
+}
+
+// out[t, row0..row0+15] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s, rows]) in slot order (0 if none).
+__device__ void combine_tile(const float* y, const i64* ids, const float* tw, i64 first, int E, int k, int T,
+                             int H, int row0, u16* out) {
+  const int tid = threadIdx.y * 32 + threadIdx.x, nthr = 32 * blockDim.y;
+  for (int idx = tid; idx < T * 4; idx += nthr) {
+    const int tok = idx >> 2, h = row0 + 4 * (idx & 3);
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < k; ++s) {
+      const i64 p = (i64)tok * k + s, e = ids[p] - first;
+      if (e < 0 || e >= E) continue;
+      const float w = tw[p];
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(y + p * H + h));
+      a[0] += w * v.x, a[1] += w * v.y, a[2] += w * v.z, a[3] += w * v.w;
+    }
+    *reinterpret_cast<uint2*>(out + (i64)tok * H + h) = make_uint2(pack_bf16x2(a[0], a[1]), pack_bf16x2(a[2], a[3]));
+  }
+}
+
+// Gate/up K split for `na` active experts: the fewest blocks per tile that keep the chip's `slots`
+// resident blocks busy, by waves x (chunks per warp + 2 of fixed cost). Same answer in every block.
+__device__ __forceinline__ int pick_split(int na, int tiles, int chunks, int nw, int slots, int smax) {
+  int best = 1;
+  float best_cost = 3e38f;
+  for (int s = 1; s <= smax; ++s) {
+    const int waves = (tiles * na * s + slots - 1) / slots;
+    const float cost = waves * ((float)chunks / (s * nw) + 2.f);
+    if (cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+// Cross-warp sum of one pass's accumulators; thread (n, lane) of n < ntv then calls
+// fin(n, lane, v[MT][4]) with the block's sum in the fragment layout of mma_bf16.
+template <int MT, int NT, typename Fin>
+__device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT][4], int ntv, Fin fin) {
+  const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y, tid = warp * 32 + lane;
+  __syncthreads();  // every warp is done with its ring: reuse it
+  float4* red = reinterpret_cast<float4*>(smem);  // [NW][MT][NT][32]
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      red[((warp * MT + m) * NT + n) * 32 + lane] = make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+  __syncthreads();
+  if (tid < ntv * 32) {
+    const int n = tid >> 5, l = tid & 31;
+    float v[MT][4] = {};
+    for (int w = 0; w < NW; ++w)
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const float4 r = red[((w * MT + m) * NT + n) * 32 + l];
+        v[m][0] += r.x, v[m][1] += r.y, v[m][2] += r.z, v[m][3] += r.w;
+      }
+    fin(n, l, v);
+  }
+  __syncthreads();  // the next pass refills the ring
+}
+
 // MODE 0: W0/S0 = gate, W1/S1 = up [E, N, K/8] / [E, N, K/32]; B = x [T, K]; out = act bf16 [P, N]
-//         (row = sorted row), act = silu(gate·x) * (up·x).
-// MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted.
-// Grid (N/16, min(E, P)); block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>).
-// Requires K % (32*CG*NW) == 0, N % 16 == 0.
+//         (row = sorted row), act = silu(gate·x) * (up·x). Grid (N/16, min(E, P), smax): blocks with
+//         z >= split (pick_split, or split_force) exit; for split > 1 they write fp32 partials to
+//         part [smax, P, 2, N] and counters[y * N/16 + x] elects the block that finishes the tile.
+// MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. Grid
+//         (N/16, min(E, P), 1). fuse: counters[x] elects the last expert's block of output tile x,
+//         which writes final_out[:, 16x..16x+15] (combine_tile); with no active expert block (x, 0) does.
+// Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
 template <int MODE, int NT>
 __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, const u16* __restrict__ S0,
-                                                const u32* __restrict__ W1, const u16* __restrict__ S1,
-                                                const u16* __restrict__ B, int K, int N, int k_route,
-                                                const int* offsets, const int* order, const int* active,
-                                                const int* num_active, void* out) {
+    const u32* __restrict__ W1, const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route,
+    int P, const int* offsets, const int* order, const int* active, const int* num_active, void* out,
+    float* part, int* counters, int slots, int smax, int split_force, const i64* ids, const float* tw,
+    u16* final_out, i64 first, int E, int T, int fuse) {
   constexpr int MT = MODE == 0 ? 2 : 1;
-  if ((int)blockIdx.y >= *num_active) return;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y;
-  const int g = lane >> 2, t = lane & 3;
-  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * STAGES;
-  const int e = active[blockIdx.y], off = offsets[e], n_e = offsets[e + 1] - off;
-  const int row0 = blockIdx.x * 16, KW = K / 8, KG = K / 32;
-  // Warp w takes chunks w, w + NW, ...: the block's warps read adjacent 64-byte pieces of each row at
-  // about the same time, so DRAM sees 64*NW contiguous bytes per row rather than scattered 64s.
-  const int nch = KG / CG / NW;
+  // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
+  // is an unwritten slot of the [E] list and goes unused.
+  const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, row0 = blockIdx.x * 16;
+  if ((int)blockIdx.y >= na) {
+    if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0) combine_tile(nullptr, ids, tw, first, E, k_route, T, N, row0, final_out);
+    return;
+  }
+  const int KW = K / 8, KG = K / 32, chunks = KG / CG;
+  const int split = MODE == 1 ? 1 : split_force > 0 ? min(split_force, smax)
+                                                    : pick_split(na, N / 16, chunks, NW, slots, smax);
+  if ((int)blockIdx.z >= split) return;
+  const int g = threadIdx.x >> 2, t = threadIdx.x & 3;
+  const int off = offsets[e], n_e = offsets[e + 1] - off;
+  // Warp slot w of split block z takes chunks w + z*NW, then every split*NW: the block's warps read
+  // adjacent 64-byte pieces of each row at about the same time (64*NW contiguous bytes per row).
+  const int slot = blockIdx.z * NW + warp, stride = split * NW;
+  const int nch = slot < chunks ? (chunks - slot + stride - 1) / stride : 0;
   const u32* Wm[MT];
   const u16* Sm[MT];
 #pragma unroll
@@ -93,113 +302,51 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
     Wm[m] = (m ? W1 : W0) + ((i64)e * N + row0) * KW;
     Sm[m] = (m ? S1 : S0) + ((i64)e * N + row0) * KG;
   }
-  auto issue = [&](int c) {
-    Stage<MT>& st = ring[c % STAGES];
-    const int G0 = (c * NW + warp) * CG;
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-#pragma unroll
-      for (int i = lane; i < 16 * CG; i += 32)
-        cp_async16(&st.w[m][(i / CG) * ROWW + (i % CG) * 4], Wm[m] + (i64)(i / CG) * KW + (G0 + i % CG) * 4);
-      if (lane < 16) cp_async8(&st.s[m][lane * CG], Sm[m] + (i64)lane * KG + G0);
-    }
-  };
-
+  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * STAGES;
   for (int p0 = 0; p0 < n_e; p0 += 8 * NT) {
     const int ntv = min(NT, (n_e - p0 + 7) / 8);  // n-tiles with at least one real token (warp-uniform)
-    const u16* brow[NT];
+    const u16* xr[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      int j = min(p0 + 8 * n + g, n_e - 1);  // clamp: padded columns compute garbage that is never stored
-      brow[n] = B + (i64)(MODE == 0 ? order[off + j] / k_route : off + j) * K + 8 * t;
+      const int j = min(p0 + 8 * n + g, n_e - 1);  // clamp: padded columns compute garbage that is never stored
+      xr[n] = B + (i64)(MODE == 0 ? order[off + j] / k_route : off + j) * K + 8 * t;
     }
     float acc[MT][NT][4] = {};
-    // Activations: 8 inputs per thread per group; xc[n][q] is refilled with chunk c+1 as soon as
-    // chunk c has consumed it, so loads run one chunk ahead with a single buffer.
-    uint4 xc[NT][CG];
-    auto load_x = [&](int n, int q, int c) {
-      xc[n][q] = *reinterpret_cast<const uint4*>(brow[n] + ((c * NW + warp) * CG + q) * 32);
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < nch) issue(s);
-      cp_async_commit();
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int q = 0; q < CG; ++q)
-        if (n < ntv) load_x(n, q, 0);
-    for (int c = 0; c < nch; ++c) {
-      cp_async_wait<STAGES - 2>();
-      __syncwarp();
-      if (c + STAGES - 1 < nch) issue(c + STAGES - 1);
-      cp_async_commit();
-      const Stage<MT>& st = ring[c % STAGES];
-#pragma unroll
-      for (int q = 0; q < CG; ++q) {
-        u32 b[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const uint4 r = xc[n][q];
-          b[n][0] = __byte_perm(r.x, r.z, 0x5410);  // inputs (0,4)
-          b[n][1] = __byte_perm(r.x, r.z, 0x7632);  // (1,5)
-          b[n][2] = __byte_perm(r.y, r.w, 0x5410);  // (2,6)
-          b[n][3] = __byte_perm(r.y, r.w, 0x7632);  // (3,7)
-          if (n < ntv && c + 1 < nch) load_x(n, q, c + 1);
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          u32 lo[4], hi[4];
-          dequant(st.w[m][g * ROWW + q * 4 + t], lo);
-          dequant(st.w[m][(g + 8) * ROWW + q * 4 + t], hi);
-          const float slo = bf2f(st.s[m][g * CG + q]), shi = bf2f(st.s[m][(g + 8) * CG + q]);
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            if (n >= ntv) continue;
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_bf16(d, lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
-            mma_bf16(d, lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
-            acc[m][n][0] += slo * d[0];
-            acc[m][n][1] += slo * d[1];
-            acc[m][n][2] += shi * d[2];
-            acc[m][n][3] += shi * d[3];
-          }
-        }
-      }
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with its ring: reuse it for the cross-warp sum
-    float4* red = reinterpret_cast<float4*>(smem);  // [NW][MT][NT][32]
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-        red[((warp * MT + m) * NT + n) * 32 + lane] =
-            make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
-    __syncthreads();
-    for (int n = warp; n < ntv; n += NW) {  // warp w finishes n-tiles w, w+NW, ...
-      float v[MT][4] = {};
-      for (int w = 0; w < NW; ++w)
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          float4 r = red[((w * MT + m) * NT + n) * 32 + lane];
-          v[m][0] += r.x, v[m][1] += r.y, v[m][2] += r.z, v[m][3] += r.w;
-        }
+    if (NT > 1 && ntv == 1)
+      warp_gemm<MT, NT, 1>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
+    else
+      warp_gemm<MT, NT, NT>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
+    block_sum<MT, NT>(smem, acc, ntv, [&](int n, int l, const float (&v)[MT][4]) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int j = p0 + 8 * n + 2 * t + (i & 1), row = row0 + g + 8 * (i >> 1);
+        const int j = p0 + 8 * n + 2 * (l & 3) + (i & 1), row = row0 + (l >> 2) + 8 * (i >> 1);
         if (j >= n_e) continue;
-        if (MODE == 0) {
+        if constexpr (MODE == 1) {
+          reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row] = v[0][i];
+        } else if (split == 1) {
           const float gate = v[0][i], act = gate / (1.f + __expf(-gate)) * v[MT - 1][i];
           reinterpret_cast<u16*>(out)[(i64)(off + j) * N + row] = f2bf(act);
         } else {
-          reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row] = v[0][i];
+#pragma unroll
+          for (int m = 0; m < MT; ++m) part[(((i64)blockIdx.z * P + off + j) * 2 + m) * N + row] = v[m][i];
         }
       }
-    }
-    __syncthreads();  // the next pass refills the ring
+    });
   }
+  const int tid = warp * 32 + threadIdx.x;
+  if (MODE == 0 && split > 1 && arrive_last(&counters[blockIdx.y * (N / 16) + blockIdx.x], split)) {
+    for (int idx = tid; idx < n_e * 16; idx += 32 * NW) {  // finish the tile: Σ partials in split order
+      const int j = idx >> 4, row = row0 + (idx & 15);
+      float gate = 0.f, up = 0.f;
+      for (int z = 0; z < split; ++z) {
+        gate += __ldcg(&part[(((i64)z * P + off + j) * 2 + 0) * N + row]);
+        up += __ldcg(&part[(((i64)z * P + off + j) * 2 + 1) * N + row]);
+      }
+      reinterpret_cast<u16*>(out)[(i64)(off + j) * N + row] = f2bf(gate / (1.f + __expf(-gate)) * up);
+    }
+  }
+  if (MODE == 1 && fuse && arrive_last(&counters[blockIdx.x], na))
+    combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, row0, final_out);
 }
 
 // out[t] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]) in slot order; tokens with no local expert get 0.

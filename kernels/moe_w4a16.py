@@ -14,11 +14,19 @@ already renormalized and scaled). experts: this rank's `ExpertStack` (duck-typed
 
 Pairs routed to experts outside [first, first + E) contribute 0 (expert parallelism: ranks sum).
 Kernel: fp32 accumulation; gate/up/SiLU in fp32, act rounded to bf16 once; output bf16.
-Requires H % 128 == 0 and I % 128 == 0 (K is split over up to 8 warps in 128-input chunks).
-Graph-safe: no host sync; workspace comes from torch's caching allocator.
+Requires H % 128 == 0 and I % 128 == 0 (K is streamed in 128-input chunks). Weights stay in the
+checkpoint layout above (no repack): ldmatrix hands each lane its word of a 16-byte group piece.
+Launches: moe_route, gate/up, down (+ combine fused into its last block per 16-row output tile when
+T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. Optionally (SPLIT_MAX > 1, off
+by default: slower on the H200) the gate/up K is split over blocks for few active experts, decided
+on the device from the active count since the host never syncs: fp32 partials, the last block per
+tile sums them in a fixed order, so results are deterministic. Graph-safe: no host sync; workspace comes from torch's caching allocator; the
+arrival counters are zeroed by moe_route in the same call.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -28,19 +36,21 @@ from kernels._compile import cuda_source, get_kernels, launch
 CODE = "moe_w4a16.cu"
 NAMES = ("moe_route", "moe_gemm<0, 1>", "moe_gemm<0, 2>", "moe_gemm<1, 1>", "moe_gemm<1, 2>", "moe_combine")
 STAGES, CHUNK = 4, 128  # must match the .cu (STAGES, 32 * CG)
-# Warps splitting K in a gate/up block. None: 8 when at most 8 pairs are routed (decode; few experts
-# per rank, so more bytes in flight per block pay), else 4 (more, smaller blocks per SM). H200, 1 vs
-# 3 vs 8 experts: 8 warps 31/53/112 us, 4 warps 35/58/108 us (docs/BENCHMARKS.md).
-GATE_UP_WARPS: int | None = None
+GATE_UP_WARPS, DOWN_WARPS = 8, 4  # warps splitting K in a block (gate/up: 2 blocks/SM, down: 4)
+SPLIT_MAX = 1  # most gate/up K-split blocks per tile (when P <= SPLIT_MAX_P). 1: off; on the H200 a
+# split of 2 or 4 measured slower at 1, 3 and 8 experts (per-block latency, not idle SMs, limits them)
+SPLIT_MAX_P = 64
+SPLIT: int | None = None  # force this split (tests); None: the kernel picks from the active-expert count
+FUSE_COMBINE_T = 64  # up to this many tokens the down kernel's last block per tile does the combine
 
 
 def _stage_bytes(mt: int) -> int:
     return mt * 16 * 20 * 4 + mt * 16 * 4 * 2  # Stage<MT>: words (ROWW = 20) + scales
 
 
-def _warps(k: int, most: int) -> int:
-    """Warps splitting K in a block: more warps = more bytes in flight when few experts are active."""
-    return next(w for w in (8, 4, 2, 1) if w <= most and k % (CHUNK * w) == 0)
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts) -> torch.Tensor:
@@ -55,28 +65,36 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         assert w.packed.dtype == torch.int32 and w.packed.shape == (*shape[:2], shape[2] // 8)
         assert w.scale.dtype == torch.bfloat16 and w.scale.shape == (*shape[:2], shape[2] // 32)
         assert w.packed.is_contiguous() and w.scale.is_contiguous()
-    assert H % CHUNK == 0 and I % CHUNK == 0 and H % 16 == 0 and I % 16 == 0, (H, I)
+    assert H % CHUNK == 0 and I % CHUNK == 0, (H, I)
     out = torch.empty_like(x)
     if T * k == 0:
         return out.zero_()
     ker = get_kernels(cuda_source(CODE), NAMES)
     dev, P = x.device, T * k
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    order = torch.empty(P, dtype=torch.int32, device=dev)
-    active = torch.empty(E + 1, dtype=torch.int32, device=dev)  # [E] list, [E] = count
+    blocks_y = min(E, P)
+    smax = max(SPLIT or 1, SPLIT_MAX if P <= SPLIT_MAX_P else 1)
+    fuse = T <= FUSE_COMBINE_T
+    ints = torch.empty(2 * (E + 1) + P + blocks_y * (I // 16) + H // 16, dtype=torch.int32, device=dev)
+    offsets, active, order, counters = ints[: E + 1], ints[E + 1: 2 * E + 2], ints[2 * E + 2: 2 * E + 2 + P], \
+        ints[2 * E + 2 + P:]  # active: [E] list, [E] = count; counters: gate/up tiles, then down tiles
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
+    part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
     first = np.int64(experts.first)
-    launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, offsets, order, active, active[E:], smem=8 * E)
+    launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, offsets, order, active, active[E:],
+           counters, counters.numel(), smem=8 * E)
     nt = 1 if T <= 8 else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
-    blocks_y = min(E, P)
-    for mode, (w0, w1, kdim, n, b, dst) in enumerate(((gate, up, H, I, x, act), (down, down, I, H, act, y))):
-        most = (GATE_UP_WARPS or (8 if P <= 8 else 4)) if mode == 0 else 4
-        nw, mt = _warps(kdim, most), 2 - mode
-        launch(ker[f"moe_gemm<{mode}, {nt}>"], (n // 16, blocks_y), (32, nw),
-               w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, offsets, order, active, active[E:], dst,
-               smem=nw * STAGES * _stage_bytes(mt))
-    launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
+    slots = 2 * _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    gate_cnt = blocks_y * (I // 16)
+    for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
+            (gate, up, H, I, x, act, GATE_UP_WARPS, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
+        launch(ker[f"moe_gemm<{mode}, {nt}>"], (n // 16, blocks_y, z), (32, nw),
+               w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, active, active[E:],
+               dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
+               topk_ids, topk_weights, out, first, E, T, int(fuse),
+               smem=nw * STAGES * _stage_bytes(2 - mode))
+    if not fuse:
+        launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
     return out
 
 

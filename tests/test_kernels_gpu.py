@@ -10,6 +10,7 @@ from kernels.bench import mla_case, random_experts
 from kernels.ddtree_build import (ddtree_build, ddtree_build_ref, ddtree_topk, ddtree_topk_ref, ddtree_tree,
                                   ddtree_tree_ref)
 from kernels.kv_commit import kv_commit, kv_commit_ref
+from kernels import mla_tree_attention as mla_mod
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
 from kernels.moe_w4a16 import moe_w4a16, moe_w4a16_ref
 from kernels.tree_accept import tree_accept, tree_accept_ref
@@ -40,7 +41,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, cos: float) -
         f"rel {err:.2e} cos {similarity:.8f}; worst at {[int(i) for i in idx]}: {o[idx]:.5f} vs {r[idx]:.5f}")
 
 
-@pytest.mark.parametrize("T", [1, 3, 17, 63])
+@pytest.mark.parametrize("T", [1, 3, 17, 63, 300])
 @pytest.mark.parametrize("H,I", [(512, 256), (7168, 2048)])
 def test_moe_w4a16(T, H, I):
     E, first, k = 12, 5, 8
@@ -55,7 +56,25 @@ def test_moe_w4a16(T, H, I):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-@pytest.mark.parametrize("T", [1, 17, 63])
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("T,H,I", [(1, 7168, 2048), (5, 7168, 2048), (3, 512, 256)])
+def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
+    """Gate/up K split over blocks (fp32 partials, last block of a tile finishes): forced split counts,
+    ragged chunk shares (56 chunks over 16/24/32 warps; 4 chunks leave whole blocks empty)."""
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "SPLIT", split)
+    experts = random_experts(6, H, I, first=2, seed=split)
+    g = torch.Generator("cuda").manual_seed(10 + T)
+    ids = torch.stack([torch.randperm(16, generator=g, device="cuda")[:8] for _ in range(T)])
+    w = torch.rand(T, 8, generator=g, device="cuda")
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    poison_allocator()
+    out = moe_w4a16(x, ids, w, experts)
+    assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("T", [1, 17, 63, 200])
 def test_moe_w4a16_one_expert_takes_all(T):
     """n tokens on one expert: several token passes per weight tile; unowned tokens must be 0."""
     experts = random_experts(4, 512, 256, first=0, seed=1)
@@ -71,6 +90,17 @@ def test_moe_w4a16_one_expert_takes_all(T):
         assert_close(out[1:], moe_w4a16_ref(x, ids, w, experts)[1:], rel=1e-2, cos=0.9999)
 
 
+@pytest.mark.parametrize("T", [3, 100])
+def test_moe_w4a16_nothing_local(T):
+    """No pair routed to this rank: every output is an exact 0 (fused and separate combine)."""
+    experts = random_experts(4, 512, 256, first=0, seed=2)
+    ids = torch.randint(4, 50, (T, 8), device="cuda")
+    x = torch.randn(T, 512, device="cuda").bfloat16()
+    poison_allocator()
+    out = moe_w4a16(x, ids, torch.rand(T, 8, device="cuda"), experts)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 @pytest.mark.parametrize("rows,prefixes,heads,page_size", [
     ([1], [0], 10, 64),  # first token: only itself
     ([3], [5], 1, 16),
@@ -79,6 +109,8 @@ def test_moe_w4a16_one_expert_takes_all(T):
     ([63, 2], [2000, 33], 9, 64),
     ([64] * 4, [130, 64, 700, 1], 64, 64),  # many query blocks: single split, direct bf16 output
     ([16], [20000], 64, 64),  # long prefix: many splits, LSE merge
+    ([1], [40000], 10, 64),  # decode, long prefix: ~130 splits over the SMs, merge
+    ([16, 1], [40000, 9000], 9, 64),  # unequal sessions: the short one leaves its tail splits empty
 ])
 def test_mla_tree_attention(rows, prefixes, heads, page_size):
     args = mla_case(rows, prefixes, heads, page_size, seed=sum(rows))
@@ -87,6 +119,17 @@ def test_mla_tree_attention(rows, prefixes, heads, page_size):
     ref = mla_tree_attention_ref(*args, 0.14467963)
     # bf16 P and output, fp32 softmax: FlashMLA-style bounds.
     assert_close(out, ref, rel=1e-2, cos=0.99995)
+
+
+@pytest.mark.parametrize("config", mla_mod.CONFIGS)
+def test_mla_tree_attention_configs(config, monkeypatch):
+    """Every compiled (query tile, key stages) instance, whatever the launcher would pick here;
+    (16, 1) is the sm_120 path."""
+    monkeypatch.setattr(mla_mod, "CONFIG", config)
+    args = mla_case([5, 17, 2], [3000, 700, 0], 10, 16, seed=11)
+    poison_allocator()
+    out = mla_tree_attention(*args, 0.14467963)
+    assert_close(out, mla_tree_attention_ref(*args, 0.14467963), rel=1e-2, cos=0.99995)
 
 
 @pytest.mark.parametrize("S,N", [(1, 1), (3, 17), (5, 63), (2, 300)])
@@ -113,33 +156,104 @@ def test_kv_commit(n):
     assert torch.equal(kv, want)  # data movement: bit-exact
 
 
+def ddtree_logits(kind: str, S: int, L: int, V: int, dtype, seed: int) -> torch.Tensor:
+    """randn: continuous; ties: thousands of exact ties at the top of row (0, 0); ints: every logit in
+    {0, 1, 2, 3} (massive ties in every row, also across rows); same: one such row repeated for all;
+    zeros: -0.0 and +0.0 (equal for torch) with a few negatives."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    if kind == "zeros":
+        x = torch.zeros(S, L, V, device="cuda")
+        x[..., ::2] = -0.0
+        x[..., 3::5] = -torch.rand(S, L, len(range(3, V, 5)), generator=g, device="cuda")
+    elif kind in ("ints", "same"):
+        x = torch.randint(0, 4, (1, 1, V) if kind == "same" else (S, L, V), generator=g, device="cuda").float()
+        x = x.expand(S, L, V).contiguous()
+    else:
+        x = torch.randn(S, L, V, generator=g, device="cuda") * 4
+        if kind == "ties":
+            x[0, 0, ::7] = x[0, 0].max()
+    return x.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,L,V,k", [(1, 1, 1, 1), (1, 7, 163840, 8), (3, 15, 163840, 64), (2, 3, 1000, 17)])
-def test_ddtree_topk(S, L, V, k, dtype):
-    logits = (torch.randn(S, L, V, device="cuda") * 4).to(dtype)
-    if dtype == torch.bfloat16:
-        logits[0, 0, ::7] = logits[0, 0].max()  # thousands of exact ties at the top: lower ids must win
+@pytest.mark.parametrize("S,L,V,k,kind", [
+    (1, 1, 1, 1, "randn"), (1, 7, 163840, 8, "randn"), (3, 15, 163840, 64, "ties"), (2, 3, 1000, 17, "ties"),
+    (8, 7, 163840, 16, "randn"), (8, 7, 163840, 64, "randn"), (2, 7, 163840, 64, "ints"), (1, 2, 70001, 64, "ints"),
+    (2, 2, 5000, 64, "zeros"), (1, 3, 8193, 64, "same"), (2, 2, 300, 64, "ints")])
+def test_ddtree_topk(S, L, V, k, kind, dtype):
+    logits = ddtree_logits(kind, S, L, V, dtype, seed=V + k)
     ids, lps = ddtree_topk(logits, k)
-    want_ids, want_lps = ddtree_topk_ref(logits, k)
-    assert torch.equal(ids, want_ids)
-    assert torch.allclose(lps, want_lps, atol=1e-5, rtol=1e-5)  # fp32 log-sum-exp, other summation order
+    # -0.0 == +0.0: a tie, lower id first, as the CPU's comparison sort has it (CUDA's radix sort may not)
+    want_ids, want_lps = ddtree_topk_ref(logits.cpu() if kind == "zeros" else logits, k)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    assert torch.allclose(lps.cpu(), want_lps.cpu(), atol=1e-5, rtol=1e-5)  # fp32 log-sum-exp, other order
 
 
-@pytest.mark.parametrize("S,L,k,budget",
-                         [(1, 1, 1, 1), (2, 7, 4, 16), (3, 15, 8, 64), (1, 2, 3, 50), (4, 16, 64, 1024)])
-def test_ddtree_tree(S, L, k, budget):
-    logits = torch.randn(S, L, 5000, device="cuda") * 3
+@pytest.mark.parametrize("S,L,k,budget", [(1, 1, 1, 1), (2, 7, 4, 16), (3, 15, 8, 64), (1, 2, 3, 50), (4, 16, 64, 1024),
+                                          (8, 7, 16, 64), (8, 7, 64, 95), (2, 7, 64, 96), (3, 16, 64, 95)])
+@pytest.mark.parametrize("kind", ["randn", "ints"])
+def test_ddtree_tree(S, L, k, budget, kind):
+    if kind == "randn":
+        logits = torch.randn(S, L, 5000, device="cuda") * 3
+    else:
+        logits = ddtree_logits("ints", S, L, 300, torch.float32, seed=1)
     ids, lps = ddtree_topk_ref(logits, k)
     lps[0, 0, 1:] = lps[0, 0, 0]  # equal scores: depth, then rank path, must break the ties
     for got, want in zip(ddtree_tree(ids.contiguous(), lps.contiguous(), budget), ddtree_tree_ref(ids, lps, budget)):
         assert torch.equal(got.cpu(), want.cpu())
 
 
-def test_ddtree_build_end_to_end():
-    torch.manual_seed(0)  # a near-tie of two fp64 scores below the fp32 log-prob noise would be a false alarm
-    logits = torch.randn(2, 7, 163840, device="cuda") * 5
-    for got, want in zip(ddtree_build(logits, 8, 32), ddtree_build_ref(logits, 8, 32)):
-        assert torch.equal(got.cpu(), want.cpu())
+@pytest.mark.parametrize("S,L,k,budget,dtype", [(2, 7, 8, 32, torch.float32), (8, 7, 8, 16, torch.bfloat16),
+                                                (8, 7, 16, 64, torch.bfloat16), (8, 7, 64, 64, torch.bfloat16),
+                                                (8, 15, 16, 64, torch.float32), (1, 15, 8, 16, torch.bfloat16),
+                                                (3, 16, 64, 200, torch.bfloat16), (2, 7, 16, 0, torch.bfloat16),
+                                                (8, 7, 64, 64, torch.float32)])
+def test_ddtree_build_end_to_end(S, L, k, budget, dtype):
+    """ids exactly torch's; the tree exactly tree.py's on the kernel's own log-probs; with fp32 logits
+    also exactly ddtree_build_ref. bf16 logits sit on a coarse grid, so sums of two log-probs tie in
+    exact arithmetic often, and which fp64 sum comes out ahead then rests on the last bit of log-sum-exp,
+    where any other summation order than torch's (this kernel's, the earlier kernel's) differs."""
+    torch.manual_seed(0)
+    logits = (torch.randn(S, L, 163840, device="cuda") * 5).to(dtype)
+    poison_allocator()
+    got = ddtree_build(logits, k, budget)
+    ids, lps = ddtree_topk(logits, k)
+    want_ids, want_lps = ddtree_topk_ref(logits, k)
+    assert torch.equal(ids, want_ids) and torch.allclose(lps, want_lps, atol=1e-5, rtol=1e-5)
+    for g, want in zip(got, ddtree_tree_ref(ids, lps, budget)):
+        assert torch.equal(g.cpu(), want.cpu())
+    if dtype == torch.float32:  # a near-tie of two fp64 scores below the fp32 log-prob noise: a false alarm
+        for g, want in zip(got, ddtree_build_ref(logits, k, budget)):
+            assert torch.equal(g.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("kind", ["ints", "same", "ties", "zeros"])
+@pytest.mark.parametrize("S,L,k,budget", [(8, 7, 16, 64), (3, 7, 64, 95), (2, 16, 4, 50)])
+def test_ddtree_build_ties(S, L, k, budget, kind):
+    """Exact ties everywhere: ids as torch's stable sort; the tree exactly tree.py's on the kernel's own
+    log-probs (torch's differ in the last bit, which can make or break a tie of two fp64 sums)."""
+    logits = ddtree_logits(kind, S, L, 20000, torch.bfloat16, seed=S * k)
+    ids, lps = ddtree_topk(logits, k)
+    assert torch.equal(ids.cpu(), ddtree_topk_ref(logits.cpu(), k)[0])  # CPU: -0.0 == +0.0, see test_ddtree_topk
+    for g, want in zip(ddtree_build(logits, k, budget), ddtree_tree_ref(ids, lps, budget)):
+        assert torch.equal(g.cpu(), want.cpu())
+
+
+def test_ddtree_build_replays_in_cuda_graph():
+    """The self-resetting counters: many launches of one graph, inputs changed in place."""
+    logits = (torch.randn(4, 7, 163840, device="cuda") * 3).bfloat16()
+    ddtree_build(logits, 16, 64)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [ddtree_build(logits, 16, 64) for _ in range(3)]
+    for seed in range(3):
+        logits.copy_((torch.randn(4, 7, 163840, generator=torch.Generator("cuda").manual_seed(seed), device="cuda")
+                      * 3).bfloat16())
+        g.replay()
+        want = ddtree_tree(*ddtree_topk(logits, 16), 64)
+        for out in outs:
+            for a, b in zip(out, want):
+                assert torch.equal(a, b)
 
 
 def test_moe_and_mla_replay_in_cuda_graph():
