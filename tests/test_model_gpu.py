@@ -189,8 +189,8 @@ def test_tiny_sync_free_graphs_greedy_equals_reference(which, request):
         _same_or_tie(got, ref, gaps)
 
 
-def _tree_batch(cfg, cache, sizes, seed=0):
-    """Sessions with prefixes on and off page boundaries (16), one random tree each -> CUDA plan."""
+def _tree_seqs(cfg, cache, sizes, seed=0):
+    """Sessions with prefixes on and off page boundaries (16), one random tree each -> their SeqRows."""
     import random
 
     from verifier_service.plan import tree_parents
@@ -205,7 +205,12 @@ def _tree_batch(cfg, cache, sizes, seed=0):
         parents = [rng.randrange(i) for i in range(1, n)]
         seqs.append(SeqRows([rng.randrange(cfg.vocab_size) for _ in range(n)], tree_parents(parents),
                             t.length(sid), t.pages(sid), t.scratch(sid, n)))
-    return build_plan(seqs, device="cuda")
+    return seqs
+
+
+def _tree_batch(cfg, cache, sizes, seed=0):
+    """`_tree_seqs` -> CUDA plan."""
+    return build_plan(_tree_seqs(cfg, cache, sizes, seed), device="cuda")
 
 
 def test_tiny_sync_free_forward_has_no_host_sync(tiny):
@@ -248,3 +253,69 @@ def test_tiny_sync_free_graph_replay_matches_eager(tiny):
         assert same < 1e-3, f"sizes {sizes}: replay vs eager on the padded plan {same:.3e} relative"
         rel = float((replay - ref).norm() / ref.norm())
         assert rel < BF16_REL, f"sizes {sizes}: replay vs reference {rel:.3e} relative"
+
+
+def test_tiny_host_plans_replay_like_device_plans(tiny):
+    """The engine's path: a host plan (build_plan on the CPU, pinned) is padded on the host and written
+    with one copy, without a host sync; it leaves the same static buffers and replays the same outputs as
+    the device plan (device-op padding). The one-sync fetch and the batched KV commit (kernel) match the
+    per-session computations."""
+    from verifier_service.graphs import GraphRunner
+    from verifier_service.session import GenParams, Session
+    from verifier_service.stepping import accept_session, fetch_outputs, target_tokens
+
+    cfg, w = tiny
+    model = K2Model(cfg, w, use_kernels=True)
+    cache = new_cache(cfg)
+    cache.kv.normal_()
+    graphs = GraphRunner(model, cache, max_seqs=4, max_pages=16)
+    fields = ("token_ids", "positions", "write_slots", "row_starts", "prefix_lens", "page_table", "tree_mask")
+    for seed, sizes in enumerate(([1], [17], [5, 3], [17, 1, 9], [1], [40, 1, 1, 2], [3], [17])):
+        seqs = _tree_seqs(cfg, cache, sizes, seed)
+        logit_rows = list(range(0, sum(sizes), 2))  # not a run of rows: selected through the staged index
+        on_device = build_plan(seqs, logit_rows=logit_rows, device="cuda")
+        on_host = build_plan(seqs, logit_rows=logit_rows, pin=True)
+        assert on_host.token_ids.device.type == "cpu" and on_host.token_ids.is_pinned()
+        want = graphs.forward(on_device, (1, 3))
+        g = graphs.graphs[graphs.key(on_device, (1, 3))]
+        static = {f: getattr(g.plan, f).clone() for f in fields}
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = graphs.forward(on_host, (1, 3))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for f in fields:
+            assert torch.equal(getattr(g.plan, f), static[f]), f"sizes {sizes}: static {f} differs"
+        for a, b in ((got.logits, want.logits), (got.hidden, want.hidden)):
+            err = float((a.float() - b.float()).abs().max())
+            assert a.shape == b.shape and err <= 1e-3 * float(b.float().abs().max()), f"sizes {sizes}: {err}"
+        host = fetch_outputs(got.logits, got.hidden, argmax=True, logprobs=True)
+        assert host.argmax == got.logits.argmax(-1).tolist() and torch.equal(host.hidden, got.hidden.cpu())
+        rows = [0, len(logit_rows) - 1]
+        per_rows = torch.log_softmax(got.logits[rows], dim=-1).gather(
+            -1, got.logits[rows].argmax(-1, keepdim=True)).squeeze(-1).tolist()
+        assert [host.logprobs[r] for r in rows] == per_rows  # log-softmax rows do not depend on the batch
+    # sampled sessions filter and sample on the device (their uniforms come from the host)
+    sampled = Session("t", [1], GenParams(temperature=0.8, top_k=20, seed=1, return_logprobs=True),
+                      emit=lambda e: None, window=0)
+    drawn = target_tokens(sampled, got.logits[:2], [0, 1])
+    assert all(0 <= t < got.logits.shape[1] for t in drawn)
+    walk, logprobs = accept_session(sampled, [drawn[0]], [0], got.logits[:2])
+    assert walk.tokens == drawn and len(logprobs) == 2
+    # batched commit (one kv_commit launch) == one session at a time
+    import copy
+
+    for sid, n in (("x", 20), ("y", 3)):
+        cache.table.open(sid)
+        cache.table.extend(sid, n)
+        cache.table.scratch(sid, 9)
+    ref = copy.deepcopy(cache)  # same pages, same contents; commits through the index copy
+    cache.use_kernel, ref.use_kernel = True, False
+    accepted = [("x", [0, 2, 5]), ("y", [0, 1])]
+    cache.commit_many(accepted)
+    for sid, rows in accepted:
+        ref.commit(sid, rows)
+    for sid, _ in accepted:
+        assert torch.equal(cache.rows(cache.table.slots(sid, 0, cache.table.length(sid))),
+                           ref.rows(ref.table.slots(sid, 0, ref.table.length(sid))))

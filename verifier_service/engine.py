@@ -22,9 +22,12 @@ from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import AR, Emission, Session
-from verifier_service.stepping import accept_session, first_token
+from verifier_service.stepping import accept_session, fetch_outputs, first_token
 
 log = get_logger("verifier.engine")
+# A step's feature rows are read back whole (with the argmax, one sync) up to this size; above it only
+# the accepted rows are gathered and read after the walks (K2.6: ~72 KB per row).
+HIDDEN_FETCH_BYTES = 2 << 20
 
 
 class Engine:
@@ -145,7 +148,8 @@ class Engine:
         t1 = time.perf_counter()
         seqs, jobs = self._rows(decoding, drafts)
         logit_rows = [r for job in jobs for r in job["logit_rows"]]
-        plan = build_plan(seqs, logit_rows=logit_rows, device=self.runner.device)
+        # A host plan: the runner pads it for a CUDA graph on the host, or moves it in one copy.
+        plan = build_plan(seqs, logit_rows=logit_rows, pin=self.runner.device.type == "cuda")
         out = self.runner.forward(plan)
         self.runner.sync()  # the GPU forward runs asynchronously: time it here, not in the accept phase
         t2 = time.perf_counter()
@@ -164,7 +168,7 @@ class Engine:
             seqs.append(SeqRows([s.pending, *tokens], tree_parents(parents), self.table.length(s.id),
                                 self.table.pages(s.id), self.table.scratch(s.id, n)))
             jobs.append(dict(kind="verify", s=s, tokens=tokens, parents=parents, rows=range(row, row + n),
-                             logit_rows=list(range(row, row + n))))
+                             logit_rows=range(row, row + n)))
             row += n
         budget = self.config.prefill_chunk
         for s in self.active.values():
@@ -182,46 +186,74 @@ class Engine:
         return seqs, jobs
 
     def _finish_step(self, jobs, out) -> None:
-        logit_at, i = {}, 0
-        for job in jobs:
-            for r in job["logit_rows"]:
-                logit_at[r] = i
-                i += 1
-        for job in jobs:
-            s = job["s"]
-            if s.finished:
-                continue
-            hidden = out.hidden[job["rows"].start: job["rows"].stop] if out.hidden.shape[-1] else None
-            logits = out.logits[[logit_at[r] for r in job["logit_rows"]]] if job["logit_rows"] else None
+        """Accept, commit and emit every job's rows. The host reads the forward once (argmax of every
+        logit row, and the feature rows unless they are large; sampled sessions sample on the device),
+        the KV commits of all sessions are one copy, and large feature rows one gather + one read."""
+        live, at = [], 0
+        for job in jobs:  # job's logits: a run of out.logits (logit rows are listed job by job)
+            job["logits"] = slice(at, at + len(job["logit_rows"]))
+            at += len(job["logit_rows"])
+            if not job["s"].finished:
+                live.append(job)
+        greedy = [job for job in live if job["logit_rows"] and job["s"].params.greedy]
+        features = out.hidden.shape[-1] > 0 and any(job["s"].features_on for job in live)
+        eager = features and out.hidden.numel() * out.hidden.element_size() <= HIDDEN_FETCH_BYTES
+        host = fetch_outputs(out.logits, out.hidden if eager else None, argmax=bool(greedy),
+                             logprobs=any(job["s"].params.return_logprobs for job in greedy))
+        commits, keep, emits = [], [], []
+        for job in live:
+            s, lr = job["s"], job["logits"]
+            greedy_rows = host.argmax is not None and s.params.greedy
             if job["kind"] == "prefill":
-                self._after_prefill(s, job, hidden, logits)
-            else:
-                self._after_verify(s, job, hidden, logits)
+                if features and s.features_on:
+                    keep.append((s, job["start"], job["rows"]))
+                s.prefilled += job["n"]
+                if lr.stop > lr.start:
+                    if greedy_rows:
+                        token = host.argmax[lr.start]
+                        logprob = host.logprobs[lr.start] if s.params.return_logprobs else 0.0
+                    else:
+                        token, logprob = first_token(s, out.logits[lr.start])
+                    emits.append((s, [token], [logprob], 0))
+                continue
+            position = self.table.length(s.id)
+            walk, logprobs = accept_session(
+                s, job["tokens"], job["parents"], out.logits[lr], self.config.force_accept_depth,
+                argmax=host.argmax[lr] if greedy_rows else None,
+                argmax_logprobs=host.logprobs[lr] if greedy_rows and host.logprobs is not None else None)
+            commits.append((s.id, walk.accepted_rows))
+            if features and s.features_on:
+                keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
+            drafted = len(job["tokens"])
+            s.stats.record(len(walk.accepted_rows) - 1, drafted)
+            metrics.observe_acceptance(len(walk.accepted_rows), drafted)
+            emits.append((s, walk.tokens, logprobs, 1))
+        if commits:
+            self.cache.commit_many(commits)
+        if keep:
+            self._keep_features(keep, out.hidden, host.hidden)
+        for s, tokens, logprobs, steps in emits:
+            self._emit(s, tokens, logprobs, steps)
 
-    def _after_prefill(self, s: Session, job, hidden, logits) -> None:
-        if hidden is not None and s.features_on:
-            s.features.append(job["start"], hidden.cpu())  # host copy: feature rings stay off the GPU
-        s.prefilled += job["n"]
-        if logits is None:
+    def _keep_features(self, keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> None:
+        """Append each (session, position, rows) feature rows to its ring (a host copy: feature rings
+        stay off the GPU). Without a host copy of every row: one gather of the kept rows, one read."""
+        if on_host is None:
+            index = [r for _, _, rows in keep for r in rows]
+            on_host = hidden[torch.tensor(index, device=hidden.device)].cpu()
+            at = 0
+            for s, position, rows in keep:
+                s.features.append(position, on_host[at: at + len(rows)])
+                at += len(rows)
             return
-        token, logprob = first_token(s, logits[0])
-        self._emit(s, [token], [logprob], steps=0)
-
-    def _after_verify(self, s: Session, job, hidden, logits) -> None:
-        length = self.table.length(s.id)
-        walk, logprobs = accept_session(s, job["tokens"], job["parents"], logits, self.config.force_accept_depth)
-        self.cache.commit(s.id, walk.accepted_rows)
-        if hidden is not None and s.features_on:
-            s.features.append(length, hidden[walk.accepted_rows].cpu())
-        drafted = len(job["tokens"])
-        s.stats.record(len(walk.accepted_rows) - 1, drafted)
-        metrics.observe_acceptance(len(walk.accepted_rows), drafted)
-        self._emit(s, walk.tokens, logprobs, steps=1)
+        for s, position, rows in keep:
+            s.features.append(position, on_host[rows.start: rows.stop] if isinstance(rows, range) else on_host[rows])
 
     def _emit(self, s: Session, tokens: list[int], logprobs: list[float], steps: int) -> None:
         kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
         s.emitted += len(kept)
-        s.rng.advance(len(tokens) if reason is None else len(kept))
+        if not s.params.greedy:  # greedy sessions never draw from their uniform stream
+            s.rng.advance(len(tokens) if reason is None else len(kept))
         if reason is None:
             s.pending = tokens[-1]
         lp = logprobs[: len(kept)] if s.params.return_logprobs else []

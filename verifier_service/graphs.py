@@ -6,6 +6,11 @@ A step's BatchPlan is padded into the bucket's static buffers (`static_plan`, `f
   the pad rows [T, bucket) (prefix 0, each pad row sees only itself, writes to a reserved pad slot);
 - page_table [max_seqs + 1, pages], tree_mask [bucket, bucket];
 - logits and layer features are computed for every row and sliced afterwards.
+The static buffers are views into ONE flat device buffer (`static_plan`). A host plan (the engine's:
+plan.build_plan keeps it on the CPU) is padded on the host in numpy and written with ONE non-blocking
+host->device copy of the buffer's prefix that can have changed (the page table comes last; rows past
+the last fill's sequences are still zero); a device plan is padded with device ops. Either way no host
+sync, so consecutive steps queue without waiting, and the padded contents are the same.
 `pages` is `max_pages` on the kernel path (the kernel reads only prefix_lens keys). The sync-free torch
 path (model.SYNC_FREE) gathers all pages·page_size prefix slots of every row, so there the page table
 is also bucketed: the smallest power of two >= the plan's page-table width (capped at max_pages).
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from verifier_service.model import GRAPH_MAX_ROWS, SYNC_FREE, ForwardOutput, K2Model
@@ -67,16 +73,17 @@ class GraphRunner:
         return bucket, page_bucket(plan.page_table.shape[1], self.max_pages, self.page_buckets), tuple(layer_ids)
 
     def forward(self, plan: BatchPlan, layer_ids: Sequence[int]) -> ForwardOutput:
-        rows = plan.num_rows
+        """Replay `plan` (on the host, or on the graphs' device) from its bucket's graph."""
         key = self.key(plan, layer_ids)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(*key)
         fill_plan(g.plan, plan, self.pad_slot)
         g.graph.replay()
-        logit_rows = torch.arange(rows, device=plan.token_ids.device) if plan.logit_rows is None else plan.logit_rows
-        hidden_rows = slice(None, rows) if plan.hidden_rows is None else plan.hidden_rows
-        return ForwardOutput(logits=g.out.logits[logit_rows].clone(), hidden=g.out.hidden[hidden_rows].clone())
+        flat = g.plan.__dict__["_flat"]
+        rows, bucket = plan.num_rows, flat.bucket
+        return ForwardOutput(logits=_take(g.out.logits, plan.logit_rows, rows, flat.out_rows[:bucket]),
+                             hidden=_take(g.out.hidden, plan.hidden_rows, rows, flat.out_rows[bucket:]))
 
     def _capture(self, bucket: int, pages: int, layer_ids: tuple[int, ...]) -> _Graph:
         static = static_plan(bucket, self.max_seqs, pages, self.cache.kv.device)
@@ -95,17 +102,101 @@ def page_bucket(pages: int, max_pages: int, bucketed: bool) -> int:
     return min(max_pages, 1 << max(pages - 1, 0).bit_length()) if bucketed else max_pages
 
 
+@dataclass
+class _Flat:
+    """One graph's static plan buffers in one flat uint8 device buffer (byte layout):
+    int64 [token_ids, positions, write_slots (bucket each), row_starts (seqs+1), prefix_lens (seqs),
+    out_rows (2·bucket: the logit rows, then the hidden rows, of the last host fill)], then the bool
+    tree_mask [bucket, bucket] at `mask_offset`, then the int64 page_table [seqs, pages] at `pt_offset`."""
+
+    flat: torch.Tensor
+    bucket: int
+    seqs: int  # max_seqs + 1 (the last: the pad sequence)
+    pages: int
+    ints: int  # int64 values before the mask
+    mask_offset: int
+    pt_offset: int
+    out_rows: torch.Tensor  # int64 [2·bucket] view
+    dirty_rows: int = 0  # page-table rows that may hold non-zero page ids
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
 def static_plan(bucket: int, max_seqs: int, pages: int, device: torch.device | str) -> BatchPlan:
-    """Zeroed static buffers of one graph: `bucket` rows, max_seqs + 1 sequences (the last: pad rows)."""
-    z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-    return BatchPlan(token_ids=z(bucket), positions=z(bucket), write_slots=z(bucket),
-                     row_starts=z(max_seqs + 2), prefix_lens=z(max_seqs + 1), page_table=z(max_seqs + 1, pages),
-                     tree_mask=z(bucket, bucket, dtype=torch.bool))
+    """Zeroed static buffers of one graph: `bucket` rows, max_seqs + 1 sequences (the last: pad rows),
+    all views into one flat buffer (`_Flat`, kept on the plan as `_flat`)."""
+    seqs = max_seqs + 1
+    ints = 3 * bucket + (seqs + 1) + seqs + 2 * bucket
+    mask_offset = _align(8 * ints)
+    pt_offset = _align(mask_offset + bucket * bucket)
+    flat = torch.zeros(pt_offset + 8 * seqs * pages, dtype=torch.uint8, device=device)
+    tok, pos, slots, starts, prefix, out_rows = flat[: 8 * ints].view(torch.int64).split_with_sizes(
+        [bucket, bucket, bucket, seqs + 1, seqs, 2 * bucket])
+    plan = BatchPlan(token_ids=tok, positions=pos, write_slots=slots, row_starts=starts, prefix_lens=prefix,
+                     page_table=flat[pt_offset:].view(torch.int64).view(seqs, pages),
+                     tree_mask=flat[mask_offset: mask_offset + bucket * bucket].view(torch.bool).view(bucket, bucket))
+    object.__setattr__(plan, "_flat", _Flat(flat, bucket, seqs, pages, ints, mask_offset, pt_offset, out_rows))
+    return plan
 
 
 def fill_plan(static: BatchPlan, plan: BatchPlan, pad_slot: int) -> None:
-    """Copy a plan into a graph's buffers in place, padding as the module docstring says (device-side
-    copies only: no host sync, so consecutive steps queue without waiting)."""
+    """Copy a plan into a graph's buffers in place, padding as the module docstring says (no host sync:
+    a host plan goes in one non-blocking copy, a device plan by device-side copies)."""
+    flat = static.__dict__.get("_flat")
+    if flat is not None and plan.token_ids.device.type == "cpu":
+        _fill_from_host(flat, plan, pad_slot)
+        return
+    _fill_on_device(static, plan, pad_slot)
+    if flat is not None:
+        flat.dirty_rows = plan.prefix_lens.shape[0]
+
+
+def _fill_from_host(f: _Flat, plan: BatchPlan, pad_slot: int) -> None:
+    T, B, P, R = plan.num_rows, plan.prefix_lens.shape[0], plan.page_table.shape[1], plan.tree_mask.shape[1]
+    bucket = f.bucket
+    rows = max(B, f.dirty_rows)  # page-table rows to (re)write; later ones are zero already
+    nbytes = f.pt_offset + 8 * rows * f.pages
+    on_host = f.flat.device.type == "cpu"
+    stage = f.flat[:nbytes] if on_host else torch.empty(nbytes, dtype=torch.uint8, pin_memory=f.flat.is_cuda)
+    raw = stage.numpy()
+    ints = raw[: 8 * f.ints].view(np.int64)
+    s0, s1 = 3 * bucket, 3 * bucket + f.seqs + 1
+    tok, pos, slots = ints[:bucket], ints[bucket: 2 * bucket], ints[2 * bucket: s0]
+    starts, prefix, out_rows = ints[s0:s1], ints[s1: s1 + f.seqs], ints[s1 + f.seqs:]
+    tok[:T] = plan.token_ids.numpy()
+    tok[T:] = 0
+    pos[:T] = plan.positions.numpy()
+    pos[T:] = 0
+    slots[:T] = plan.write_slots.numpy()
+    slots[T:] = pad_slot
+    starts[: B + 1] = plan.row_starts.numpy()
+    starts[B + 1:] = T  # empty sequences B .. max_seqs-1
+    starts[-1] = bucket  # the pad sequence: rows [T, bucket)
+    prefix[:B] = plan.prefix_lens.numpy()
+    prefix[B:] = 0
+    out_rows[:] = 0
+    for at, sel in ((0, plan.logit_rows), (bucket, plan.hidden_rows)):
+        if sel is not None and sel.shape[0] <= bucket:
+            out_rows[at: at + sel.shape[0]] = sel.numpy()
+    raw[8 * f.ints: f.mask_offset] = 0
+    mask = raw[f.mask_offset: f.mask_offset + bucket * bucket].reshape(bucket, bucket)
+    mask[:] = 0
+    mask[:T, :R] = plan.tree_mask.numpy()
+    pad = np.arange(bucket - T)
+    mask[T + pad, pad] = 1  # a pad row sees itself only
+    raw[f.mask_offset + bucket * bucket: f.pt_offset] = 0
+    table = raw[f.pt_offset:].view(np.int64).reshape(rows, f.pages)
+    table[:] = 0
+    table[:B, :P] = plan.page_table.numpy()
+    if not on_host:
+        f.flat[:nbytes].copy_(stage, non_blocking=True)
+    f.dirty_rows = B
+
+
+def _fill_on_device(static: BatchPlan, plan: BatchPlan, pad_slot: int) -> None:
+    """The same padding with device ops (a plan already on the graphs' device)."""
     T, B, P, R = plan.num_rows, plan.prefix_lens.shape[0], plan.page_table.shape[1], plan.tree_mask.shape[1]
     bucket = static.token_ids.shape[0]
     for name in ("token_ids", "positions"):
@@ -125,6 +216,25 @@ def fill_plan(static: BatchPlan, plan: BatchPlan, pad_slot: int) -> None:
     static.tree_mask[:T, :R] = plan.tree_mask
     pad = torch.arange(bucket - T, device=static.tree_mask.device)
     static.tree_mask[T + pad, pad] = True  # a pad row sees itself only
+
+
+def _take(out: torch.Tensor, sel: torch.Tensor | None, rows: int, staged: torch.Tensor) -> torch.Tensor:
+    """Rows `sel` (None: the first `rows`) of a static output, as a new tensor. A host `sel` that is a
+    run of rows is a slice; otherwise its copy `staged` on the device (written by the host fill)."""
+    if sel is None:
+        return out[:rows].clone()
+    if sel.device.type != "cpu":
+        return out[sel]
+    idx = sel.numpy()
+    n = idx.shape[0]
+    if n == 0:
+        return out[:0].clone()
+    first = int(idx[0])
+    if first >= 0 and np.array_equal(idx, np.arange(first, first + n)):
+        return out[first: first + n].clone()
+    if n <= staged.shape[0] and idx.min() >= 0:
+        return out.index_select(0, staged[:n])
+    return out[sel.to(out.device)]
 
 
 def empty_plan(static: BatchPlan) -> BatchPlan:

@@ -167,21 +167,38 @@ class PagedKVCache:
         """Copy the accepted scratch rows (path order, root first) into the session's next positions,
         free the scratch -> destination slots. Scratch pages never alias session pages, so the copy
         cannot overwrite a source row."""
-        src, dst = self.table.plan_commit(sid, accepted_rows)
+        return self.commit_many([(sid, accepted_rows)])[0]
+
+    def commit_many(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> list[list[int]]:
+        """`commit` for several sessions with ONE copy (one index transfer, one kernel or gather): every
+        session's destinations are allocated before any scratch is freed, so no destination of one
+        session can be another's (not yet copied) source -> destination slots per session."""
+        src: list[int] = []
+        dsts = []
+        for sid, rows in items:
+            s, d = self.table.plan_commit(sid, rows)
+            src += s
+            dsts.append(d)
         if src:
+            dst = [x for d in dsts for x in d]
             if self.on_copy is not None:
                 self.on_copy(src, dst)
             self.copy_rows(src, dst)
-        self.table.release_scratch(sid)
-        return dst
+        for sid, _ in items:
+            self.table.release_scratch(sid)
+        return dsts
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """kv[:, dst[i]] = kv[:, src[i]] in every layer (sources never alias destinations)."""
-        idx = lambda s: torch.as_tensor(list(s), dtype=torch.int64, device=self.kv.device)  # noqa: E731
+        device = self.kv.device
+        if device.type == "cpu":
+            idx = torch.tensor([list(src), list(dst)], dtype=torch.int64)
+        else:  # one pinned, non-blocking transfer of both index lists
+            idx = torch.tensor([list(src), list(dst)], dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
         if self.use_kernel:
             from kernels.kv_commit import kv_commit
 
-            kv_commit(self.kv, idx(src), idx(dst))  # one launch over all layers
+            kv_commit(self.kv, idx[0], idx[1])  # one launch over all layers
             return
         flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [L, slots, width]
-        flat[:, idx(dst)] = flat[:, idx(src)]
+        flat[:, idx[1]] = flat[:, idx[0]]

@@ -8,7 +8,6 @@ collectives inside the forward line up and the replicated caches stay identical.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -19,7 +18,7 @@ from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.model import ForwardOutput, K2Model, TargetWeights, identity
 from verifier_service.model_config import K2Config
-from verifier_service.plan import BatchPlan
+from verifier_service.plan import BatchPlan, PackedPlan, packed_of, plan_to
 from verifier_service.synthetic import preset_config, random_target
 from verifier_service.weights import expert_range, load_target_weights
 
@@ -83,10 +82,12 @@ class Runner:
         return random_target(self.cfg, experts=experts, heads=heads, device=self.device, dtype=self.dtype)
 
     def forward(self, plan: BatchPlan) -> ForwardOutput:
-        """Rank 0: broadcast the plan (CPU tensors), then run it here."""
+        """Rank 0: broadcast the plan (its packed host buffer, or CPU tensors), then run it here. A host
+        plan from build_plan is padded for a CUDA graph on the host or moved to the device in one copy."""
         if self.control is not None:
-            self.control.send((FORWARD, _to(plan, "cpu"), self.target_layer_ids))
-        return self._forward(_to(plan, self.device), self.target_layer_ids)
+            packed = packed_of(plan)
+            self.control.send((FORWARD, packed if packed is not None else plan_to(plan, "cpu"), self.target_layer_ids))
+        return self._forward(plan, self.target_layer_ids)
 
     def sync(self) -> None:
         """Wait for this rank's device (kernels and graph replays return before the GPU is done)."""
@@ -96,13 +97,13 @@ class Runner:
     def _forward(self, plan: BatchPlan, layer_ids) -> ForwardOutput:
         if self.graphs is not None and self.graphs.fits(plan):
             return self.graphs.forward(plan, layer_ids)
-        return self.model.forward(plan, self.cache.kv, layer_ids)
+        return self.model.forward(plan_to(plan, self.device), self.cache.kv, layer_ids)
 
     def apply(self, op: tuple) -> None:
         """Ranks 1..N-1: replay one of rank 0's ops."""
         if op[0] == FORWARD:
             _, plan, layer_ids = op
-            self._forward(_to(plan, self.device), layer_ids)
+            self._forward(plan.unpack("cpu") if isinstance(plan, PackedPlan) else plan, layer_ids)
         elif op[0] == COPY:
             self.cache.copy_rows(op[1], op[2])
         else:
@@ -113,12 +114,6 @@ class Runner:
             if self.info.rank == 0:
                 self.control.send((ranks.STOP,))
             self.control.close()
-
-
-def _to(plan: BatchPlan, device) -> BatchPlan:
-    moved = {f.name: getattr(plan, f.name).to(device) for f in dataclasses.fields(plan)
-             if isinstance(getattr(plan, f.name), torch.Tensor)}
-    return dataclasses.replace(plan, **moved)
 
 
 def _nbytes(obj) -> int:

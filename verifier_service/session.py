@@ -46,24 +46,59 @@ class Emission:
 
 
 class FeatureRing:
-    """The last `window` target feature rows of a session (for drafter resync), with their positions."""
+    """The last `window` target feature rows of a session (for drafter resync), with their positions.
+
+    Rows live in one preallocated buffer and `rows` is a view of it, so an append copies only the new
+    rows: the capacity doubles up to 1.5 x `window` (window 0: unbounded), and once the buffer's end is
+    reached the kept rows move back to its start (<= window rows copied per window/2 rows appended)."""
 
     def __init__(self, window: int):
         self.window = window
-        self.rows: torch.Tensor | None = None  # [n, F]
-        self.start = 0  # absolute position of rows[0]
+        self._buf: torch.Tensor | None = None  # [capacity, F]
+        self._head = 0  # buffer row of position `start`
+        self._end = 0  # absolute position after the last row
+        self.start = 0  # absolute position of the oldest row kept
 
     @property
     def end(self) -> int:
-        return self.start + (0 if self.rows is None else self.rows.shape[0])
+        return self._end
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """[n, F] view of rows start .. end-1 (None before the first append)."""
+        return None if self._buf is None else self._buf[self._head: self._head + self._end - self.start]
 
     def append(self, position: int, rows: torch.Tensor) -> None:
         if position != self.end:
             raise ValueError(f"feature rows at {position} do not follow the ring's end {self.end}")
-        self.rows = rows if self.rows is None else torch.cat([self.rows, rows])
-        if self.window and self.rows.shape[0] > self.window:
-            cut = self.rows.shape[0] - self.window
-            self.rows, self.start = self.rows[cut:].clone(), self.start + cut
+        end, held = position + rows.shape[0], self._end - self.start
+        if self.window and rows.shape[0] > self.window:  # only the last `window` rows can stay
+            rows = rows[rows.shape[0] - self.window:]
+        k = rows.shape[0]
+        keep = min(held, self.window - k) if self.window else held  # old rows that stay
+        head = self._head + held - keep  # buffer row of the first of them
+        if self._buf is None or head + keep + k > self._buf.shape[0]:
+            self._make_room(head, keep, k, rows)
+            head = 0
+        self._buf[head + keep: head + keep + k] = rows
+        self._head, self._end, self.start = head, end, end - keep - k
+
+    def _make_room(self, head: int, keep: int, k: int, rows: torch.Tensor) -> None:
+        """Move the `keep` rows at buffer row `head` to row 0, with room for k more: a buffer of twice the
+        capacity (up to the limit), or, at the limit, the same buffer."""
+        cap = 0 if self._buf is None else self._buf.shape[0]
+        need = keep + k
+        limit = self.window + max(self.window // 2, 1) if self.window else 0
+        if self._buf is None or need > cap or cap < limit:
+            want = max(2 * cap, 1 << max(need - 1, 0).bit_length(), 16)
+            if limit:
+                want = max(min(want, limit), need)
+            new = torch.empty(want, *rows.shape[1:], dtype=rows.dtype, device=rows.device)
+            if keep:
+                new[:keep] = self._buf[head: head + keep]
+            self._buf = new
+        elif keep:  # same buffer, rows move down (the ranges may overlap: copy through a temporary)
+            self._buf[:keep] = self._buf[head: head + keep].clone()
 
     def since(self, position: int) -> tuple[int, torch.Tensor]:
         """Rows from `position` (or the oldest kept, if later) to the end -> (first position, rows)."""

@@ -1,12 +1,38 @@
 """Per-session arithmetic of a step: the target's token for each verified row (argmax, or a sample
-with the session's per-position uniforms), the acceptance walk, and emitted-token logprobs."""
+with the session's per-position uniforms), the acceptance walk, and emitted-token logprobs.
+
+Greedy rows need only their argmax on the host: `fetch_outputs` computes it for every logit row of a
+step in one device op and brings it back (with the logprobs and feature rows the step needs) under ONE
+host sync; the walks then run on those host lists. Sampled sessions filter and sample on the device."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from verifier_service.acceptance import Walk, filter_probs, forced_walk, sample_with_uniforms, tree_depths, walk_tree
 from verifier_service.session import Session
+
+
+@dataclass
+class HostOutputs:
+    """What the host reads of one forward, fetched together."""
+
+    argmax: list[int] | None  # the target's argmax per logit row
+    logprobs: list[float] | None  # log-softmax of each logit row at its argmax
+    hidden: torch.Tensor | None  # host copy of every row's features
+
+
+def fetch_outputs(logits: torch.Tensor, hidden: torch.Tensor | None, *, argmax: bool, logprobs: bool) -> HostOutputs:
+    """logits [Rl, V] (device) -> argmax per row (and its log-softmax, with `logprobs`), plus a host copy
+    of `hidden` (if given): one device op each, non-blocking copies into pinned memory, one sync."""
+    top = logits.argmax(-1) if argmax or logprobs else None
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1) if logprobs else None
+    if logits.device.type != "cpu":
+        top, lp, hidden = (None if t is None else t.to("cpu", non_blocking=True) for t in (top, lp, hidden))
+        torch.cuda.current_stream(logits.device).synchronize()
+    return HostOutputs(None if top is None else top.tolist(), None if lp is None else lp.tolist(), hidden)
 
 
 def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[int]:
@@ -17,21 +43,27 @@ def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[i
         return logits.argmax(-1).tolist()
     u = s.rng.peek(max(depths) + 1)[torch.tensor(depths)]
     probs = filter_probs(logits, p.temperature, p.top_k, p.top_p)
-    return sample_with_uniforms(probs, u).tolist()
+    return sample_with_uniforms(probs, u.to(probs.device)).tolist()
 
 
 def accept_session(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor,
-                   force_depth: int = 0) -> tuple[Walk, list[float]]:
+                   force_depth: int = 0, *, argmax: list[int] | None = None,
+                   argmax_logprobs: list[float] | None = None) -> tuple[Walk, list[float]]:
     """logits [N+1, V] for rows [root, nodes…] → the walk and the logprob of each emitted token.
-    force_depth > 0: the TEST ONLY forced walk (acceptance.forced_walk), not the target's choice."""
-    targets = target_tokens(s, logits, tree_depths(parents))
+    force_depth > 0: the TEST ONLY forced walk (acceptance.forced_walk), not the target's choice.
+    Greedy sessions may pass the rows' argmax (and its logprob, per row) already on the host."""
+    greedy = s.params.greedy
+    targets = argmax if greedy and argmax is not None else target_tokens(s, logits, tree_depths(parents))
     walk = forced_walk(tokens, parents, targets, force_depth) if force_depth else walk_tree(tokens, parents, targets)
     logprobs = []
     if s.params.return_logprobs:
         # Emitted token j was predicted by accepted row j (root first); bonus by the last accepted row.
         rows = walk.accepted_rows
-        lsm = torch.log_softmax(logits[rows], dim=-1)  # [k+1, V]
-        logprobs = lsm.gather(-1, torch.tensor(walk.tokens).unsqueeze(-1)).squeeze(-1).tolist()
+        if greedy and not force_depth and argmax_logprobs is not None:  # emitted = each row's argmax
+            logprobs = [argmax_logprobs[r] for r in rows]
+        else:
+            lsm = torch.log_softmax(logits[rows], dim=-1)  # [k+1, V]
+            logprobs = lsm.gather(-1, torch.tensor(walk.tokens, device=lsm.device).unsqueeze(-1)).squeeze(-1).tolist()
     return walk, logprobs
 
 
