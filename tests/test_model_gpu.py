@@ -319,3 +319,33 @@ def test_tiny_host_plans_replay_like_device_plans(tiny):
     for sid, _ in accepted:
         assert torch.equal(cache.rows(cache.table.slots(sid, 0, cache.table.length(sid))),
                            ref.rows(ref.table.slots(sid, 0, ref.table.length(sid))))
+
+
+def test_runner_warm_up_captures_every_graph_before_serving(tmp_path):
+    """Runner.warm_up captures one graph per graphs.warm_keys entry (padding-only plans: no session's
+    cache is touched); a served tree step afterwards captures nothing new and equals an eager runner."""
+    from service_kit.tools import make_tiny
+    from verifier_service.config import VerifierConfig
+    from verifier_service.runner import Runner
+    from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
+
+    d = make_tiny(tmp_path / "tiny")
+    runners = {g: Runner(VerifierConfig(model=str(d), device="cuda", dtype="float32", kv_cache_mb=8, page_size=16,
+                                        max_context=1024, cuda_graphs=g)) for g in (True, False)}
+    r = runners[True]
+    keys = r.graphs.warm_keys(17)
+    assert {b for b, _ in keys} == {1, 2, 4, 8, 16, 32} and len({w for _, w in keys}) > 1
+    assert r.warm_up(17) == len(keys) and runners[False].warm_up(17) == 0
+    outs = []
+    for run in (r, runners[False]):
+        t = run.cache.table
+        t.open("a")
+        prompt = [(7 * i + 3) % run.cfg.vocab_size for i in range(30)]  # 30 rows: the 32-row bucket
+        run.forward(build_plan([SeqRows(prompt, chain_parents(30), 0, t.pages("a"), t.extend("a", 30))]))
+        tree = [5, 6, 7, 8, 9, 10, 11]
+        plan = build_plan([SeqRows([42, *tree], tree_parents([0, 0, 1, 1, 2, 3, 5]), 30, t.pages("a"),
+                                   t.scratch("a", 8))])
+        outs.append(run.forward(plan).logits)
+    assert len(r.graphs.graphs) == len(keys)  # the served steps hit captured graphs only
+    rel = float((outs[0] - outs[1]).norm() / outs[1].norm())
+    assert rel < 1e-4, f"warmed-up graph runner vs eager runner: {rel:.3e} relative (fp32)"

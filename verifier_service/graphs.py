@@ -67,6 +67,17 @@ class GraphRunner:
             return bucket * pages * self.cache.page_size <= SYNC_FREE_MAX_ROW_KEYS
         return True
 
+    def warm_keys(self, max_rows: int) -> list[tuple[int, int]]:
+        """(rows, page-table width) of one plan per graph worth capturing before serving: every row bucket up
+        to the one holding `max_rows`, at every width the path tells apart (powers of two on the sync-free
+        path, else max_pages), leaving out the shapes that run eagerly anyway."""
+        top = next(b for b in BUCKETS if b >= min(max_rows, BUCKETS[-1]))
+        widths = [self.max_pages]
+        if self.page_buckets:
+            widths = sorted({page_bucket(1 << i, self.max_pages, True) for i in range(self.max_pages.bit_length() + 1)})
+        return [(b, w) for b in BUCKETS if b <= top for w in widths
+                if not self.page_buckets or b * w * self.cache.page_size <= SYNC_FREE_MAX_ROW_KEYS]
+
     def key(self, plan: BatchPlan, layer_ids: Sequence[int]) -> tuple[int, int, tuple[int, ...]]:
         """(row bucket, static page-table width, layer ids) of the graph that replays `plan`."""
         bucket = next(b for b in BUCKETS if b >= plan.num_rows)

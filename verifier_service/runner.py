@@ -18,7 +18,7 @@ from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.model import ForwardOutput, K2Model, TargetWeights, identity
 from verifier_service.model_config import K2Config
-from verifier_service.plan import BatchPlan, PackedPlan, packed_of, plan_to
+from verifier_service.plan import BatchPlan, PackedPlan, SeqRows, build_plan, chain_parents, packed_of, plan_to
 from verifier_service.synthetic import preset_config, random_target
 from verifier_service.weights import expert_range, load_target_weights
 
@@ -88,6 +88,21 @@ class Runner:
             packed = packed_of(plan)
             self.control.send((FORWARD, packed if packed is not None else plan_to(plan, "cpu"), self.target_layer_ids))
         return self._forward(plan, self.target_layer_ids)
+
+    def warm_up(self, max_rows: int) -> int:
+        """Capture the CUDA graphs of every row bucket up to `max_rows` at every page width (graphs.warm_keys)
+        before serving, so no stream pays a capture (tens of ms each) mid-generation. Rank 0 runs padding-only
+        plans through `forward`, so every rank captures the same graphs in the same order; returns how many
+        graphs exist."""
+        if self.graphs is None:
+            return 0
+        pad_slot = self.graphs.pad_slot
+        pad_page = pad_slot // self.cache.page_size
+        for rows, width in self.graphs.warm_keys(max_rows):  # every row writes the pad slot, reads no prefix
+            seq = SeqRows([0] * rows, chain_parents(rows), 0, [pad_page] * width, [pad_slot] * rows)
+            self.forward(build_plan([seq], pin=self.device.type == "cuda"))
+        self.sync()
+        return len(self.graphs.graphs)
 
     def sync(self) -> None:
         """Wait for this rank's device (kernels and graph replays return before the GPU is done)."""
