@@ -128,14 +128,16 @@ class DrafterClient:
         by_replica: dict[str, list[DraftRequest]] = {}
         for req in requests:
             by_replica.setdefault(replica_of[req.session_id].address, []).append(req)
-        futures = {}
-        for address, reqs in by_replica.items():
-            msg = dpb.ProposeRequest(items=[_item(r) for r in reqs])
-            futures[address] = self.replicas[address].stub.Propose.future(msg, timeout=self.deadline_s)
+        msgs = {a: dpb.ProposeRequest(items=[_item(r) for r in reqs]) for a, reqs in by_replica.items()}
+        # One replica (the usual case): a blocking call polls in this thread and returns ~0.1-0.2 ms sooner
+        # than a future, whose answer is handed over by gRPC's polling thread. Several: futures, in parallel.
+        futures = {a: self.replicas[a].stub.Propose.future(m, timeout=self.deadline_s)
+                   for a, m in msgs.items()} if len(msgs) > 1 else {}
         results: dict[str, object] = {}
-        for address, fut in futures.items():
+        for address, msg in msgs.items():
             try:
-                resp = fut.result()
+                resp = futures[address].result() if futures else \
+                    self.replicas[address].stub.Propose(msg, timeout=self.deadline_s)
             except grpc.RpcError as e:
                 self._failed(address, e)
                 continue
