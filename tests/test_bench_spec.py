@@ -77,3 +77,20 @@ def test_shipped_pair_drafts_well_and_losslessly():
     tree = pair.generate(prompt, 24, "ddtree", budget=16)
     assert tree.tokens == ar.tokens
     assert sum(tree.committed) / tree.steps > 1.5
+
+
+def test_e2e_split_takes_draft_compute_from_the_drafter_metrics():
+    """The end-to-end row splits the verifier's wait for Propose into the drafter's own engine time and
+    the rest (rpc), per verify step, from the two services' /metrics deltas."""
+    from types import SimpleNamespace
+
+    from tools.spec_e2e import Streamed, _row
+
+    stats = SimpleNamespace(verify_steps=10, mean_acceptance_length=3.0)
+    outs = [Streamed(list(range(31)), SimpleNamespace(spec_stats=stats), decode_s=0.05, wall_s=0.1)]
+    metrics = {"ddtree_verify_step_seconds_count": 10.0, "ddtree_verify_step_seconds_sum": 0.02,
+               "ddtree_draft_seconds_sum": 0.03, "ddtree_accept_commit_seconds_sum": 0.01,
+               'ddtree_drafter_propose_seconds_sum{phase="draft"}': 0.012}
+    row = _row(outs, metrics, "ddtree", 16, 0.0)
+    assert row["split_ms"] == {"draft": 1.2, "rpc": 1.8, "verify": 2.0, "accept_commit": 1.0, "other": 4.0}
+    assert row["tau"] == 3.0
