@@ -8,9 +8,10 @@ and `dflash_config.mask_token_id`. RoPE comes as `rope_scaling` (transformers 4)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from service_kit.checkpoint import read_config_json
 
 # cos/sin amplitude the Kimi DFlash drafters were tuned with: legacy YaRN ignored mscale/mscale_all_dim and
 # used 1 + 0.1·ln(64). transformers' YaRN gives 1.0 for mscale = mscale_all_dim = 1 ("reduces draft
@@ -115,13 +116,7 @@ class DFlashConfig:
     @classmethod
     def from_json(cls, path: str | Path, *, yarn_amplitude: float | None = None) -> "DFlashConfig":
         """`path` is a config.json or the checkpoint directory holding it."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read drafter config ({e})") from e
+        _, raw = read_config_json(path, ConfigError, "drafter config")
         return cls.from_dict(raw, yarn_amplitude=yarn_amplitude)
 
     @classmethod

@@ -20,6 +20,18 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, malformed, or does not match what the model expects."""
 
 
+def read_config_json(path: str | Path, error: type[Exception], what: str = "config") -> tuple[Path, object]:
+    """`path` is a config.json or the checkpoint directory holding it -> (the file, its parsed JSON).
+    An unreadable file or bad JSON raises `error` (the caller's own config error) naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{path}: cannot read {what} ({e})") from e
+
+
 class CheckpointIndex:
     """Maps tensor names to shard files; `read(name)` loads one tensor on demand."""
 

@@ -11,11 +11,12 @@ unknown or contradictory value raises `ConfigError` naming the field.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from service_kit.checkpoint import read_config_json
 from typing import Any
 
 YARN_TYPES = ("yarn", "deepseek_yarn")  # K2.6 spells it "deepseek_yarn" in rope_parameters
@@ -126,13 +127,7 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 def _read_raw(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(source, Mapping):
         return source
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read config ({e})") from e
+    path, raw = read_config_json(source, ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level is not a JSON object")
     return raw
