@@ -105,10 +105,9 @@ class DrafterGraphs:
         valid until the next replay), or None when the batch or its page table is too large."""
         B, P = page_table.shape
         bucket = next((b for b in BATCH_BUCKETS if b >= B), None)
-        pages = 1 << max(P - 1, 0).bit_length()
         if bucket is None or P > self.max_pages:
             return None
-        pages = min(pages, self.max_pages)
+        pages = self._width(P)
         g = self.block_graphs.get((bucket, pages)) or self._capture_block(bucket, pages, block_ids.shape[1])
         h = g.buffers.host
         for name, value in (("block_ids", block_ids), ("block_pos", block_pos), ("meta", meta)):
@@ -125,12 +124,16 @@ class DrafterGraphs:
         for n in INJECT_BUCKETS:
             if n not in self.inject_graphs:
                 self._capture_inject(n)
-        widths = sorted({min(1 << i, self.max_pages) for i in range(self.max_pages.bit_length() + 1)})
+        widths = sorted({self._width(1 << i) for i in range(self.max_pages.bit_length() + 1)})
         for b in (b for b in BATCH_BUCKETS if b <= max_batch):
             for pages in widths:
                 if (b, pages) not in self.block_graphs:
                     self._capture_block(b, pages, block_size)
         return len(self.inject_graphs) + len(self.block_graphs)
+
+    def _width(self, pages: int) -> int:
+        """Static page-table width for `pages` columns: the next power of two, capped at max_pages."""
+        return min(1 << max(pages - 1, 0).bit_length(), self.max_pages)
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         fn()  # eager run of the same shapes: loads kernels, warms the allocator

@@ -75,7 +75,3 @@ def context_from_tables(page_table: torch.Tensor, meta: torch.Tensor, page_size:
     valid = (positions >= meta[:, 1:2]) & (positions < meta[:, 2:3])  # padding pages lie past `length`
     return ContextBatch(slots, positions, valid)
 
-
-def context_batch(plans: Sequence[InjectPlan], page_size: int, device: torch.device) -> ContextBatch:
-    page_table, meta = context_tables(plans)
-    return context_from_tables(torch.from_numpy(page_table).to(device), torch.from_numpy(meta).to(device), page_size)
