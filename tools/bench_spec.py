@@ -85,6 +85,7 @@ def run(args) -> int:
     modes = mode_list(args.modes.split(","), [int(b) for b in args.budgets.split(",")])
     temps = [float(t) for t in args.temperatures.split(",")]
     report = {"model": str(model), "drafter": str(drafter), "device": args.device, "dtype": args.dtype,
+              "drafter_device": args.drafter_device or args.device,
               "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
               "prompts": [{"key": p["key"], "tokens": len(p["ids"])} for p in prompts],
               "torch": torch.__version__, "rows": []}
@@ -98,7 +99,8 @@ def run(args) -> int:
         del pair
     if args.e2e:
         report["rows"] += run_e2e(model, drafter, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
-                                  seed=args.seed, device=args.device, dtype=args.dtype, log_dir=out / "logs", log=log)
+                                  seed=args.seed, device=args.device, dtype=args.dtype,
+                                  drafter_device=args.drafter_device or args.device, log_dir=out / "logs", log=log)
     estimate_rpc(report["rows"])
     report["summary"] = summary(report["rows"])
     (out / "bench_spec.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -130,6 +132,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=False,
                    help="also run through the three gRPC services (needs the generated stubs)")
+    p.add_argument("--drafter-device", default=None,
+                   help="--e2e: the drafter service's device (e.g. cuda:1, its own GPU as deployed; default --device)")
     p.add_argument("--out", default="bench-out")
     p.set_defaults(func=_run_cmd)
     return p

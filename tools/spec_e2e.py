@@ -39,14 +39,16 @@ class Streamed(NamedTuple):
 
 def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict], *, modes: list[tuple[str, int]],
             temperatures: list[float], max_new: int, seed: int, device: str, dtype: str, log_dir: Path,
-            log=print) -> list[dict]:
-    """Three service processes on loopback; one Generate stream per prompt and mode."""
+            drafter_device: str | None = None, log=print) -> list[dict]:
+    """Three service processes on loopback; one Generate stream per prompt and mode. The drafter runs on
+    `drafter_device` (default `device`): its own GPU, as deployed, or the verifier's."""
     import grpc
 
     from ddtree.v1 import generation_pb2_grpc as pb_grpc
 
     ports = {k: _free_port() for k in ("drafter", "verifier", "gateway", "verifier_metrics", "drafter_metrics")}
-    cmds = _service_commands(model_dir, drafter_dir, device, dtype, ports, max([b for _, b in modes] + [16]))
+    cmds = _service_commands(model_dir, drafter_dir, (drafter_device or device, device), dtype, ports,
+                             max([b for _, b in modes] + [16]))
     env = _service_env(device)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {}
@@ -85,17 +87,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _service_commands(model_dir: str | Path, drafter_dir: str | Path, device: str, dtype: str,
+def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: tuple[str, str], dtype: str,
                       ports: dict[str, int], max_budget: int) -> dict[str, list[str]]:
+    """devices: (the drafter's, the verifier's)."""
     base = [sys.executable, "-m", "service_kit.cli"]
     common = ["--host", "127.0.0.1", "--log-format", "json", "--grace-s", "1"]
     return {
         "drafter": [*base, "drafter", "--port", str(ports["drafter"]), "--model", str(drafter_dir),
-                    "--target-model", str(model_dir), "--device", device, "--dtype", dtype,
+                    "--target-model", str(model_dir), "--device", devices[0], "--dtype", dtype,
                     "--cache-mb", "32", "--max-tree-budget", str(max(max_budget, 64)),
                     "--metrics-port", str(ports["drafter_metrics"]), *common],
         "verifier": [*base, "verifier", "--port", str(ports["verifier"]), "--model", str(model_dir),
-                     "--device", device, "--dtype", dtype, "--drafter", f"127.0.0.1:{ports['drafter']}",
+                     "--device", devices[1], "--dtype", dtype, "--drafter", f"127.0.0.1:{ports['drafter']}",
                      "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
                      "--metrics-port", str(ports["verifier_metrics"]), *common],
         "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--model", str(model_dir),
@@ -205,10 +208,12 @@ def _row(outs: list[Streamed], metrics: dict[str, float], mode: str, budget: int
             "budget": budget if mode == DDTREE else 0, "temperature": temp, "prompts": len(outs),
             **speed_fields(steps, committed, decode_tokens, decode_s),
             "split_ms": {k: round(v / n_steps * 1e3, 3) for k, v in split.items()},
-            "split_note": "draft = the drafter's engine time per Propose (inject, block forward, tree "
-                          "build, device sync; its ddtree_drafter_propose_seconds); rpc = the rest of the "
-                          "verifier's wait for Propose (serialization, transport, scheduling); other = "
-                          "wall time outside verifier steps (gateway, streaming, prefill)"}
+            "split_note": "draft + rpc = the verifier's wait for Propose in a step; draft = the drafter's "
+                          "engine time per Propose (inject, block forward, tree build, device sync; its "
+                          "ddtree_drafter_propose_seconds) up to that wait, rpc = the rest (serialization, "
+                          "transport, scheduling). Propose is sent before the previous step's KV commit and "
+                          "streaming, so part of the drafting overlaps accept_commit. other = wall time "
+                          "outside verifier steps (gateway, streaming, prefill)"}
 
 
 def _divergences(ar_ids: list[list[int]], ids: list[list[int]]) -> dict:

@@ -1,6 +1,7 @@
 """The verifier's view of its drafter replicas: sticky routing, per-step deadline, failover, resync.
 
-Called from the engine's step thread (sync gRPC, one Propose per replica per step, in parallel).
+Called from the engine's step thread: one Propose per replica per step, in parallel; either waited
+for at once (`propose`) or sent ahead (`start`) and waited for in the next step (`collect`).
 A session sticks to one replica; a replica that fails or is late marks its sessions "no draft this
 step" (they verify root-only, i.e. plain AR — output unchanged). A failed replica is marked down and
 its sessions move to a healthy one on their next step with `reset` + the last `window` feature rows.
@@ -123,31 +124,43 @@ class DrafterClient:
             return best
 
     def propose(self, requests: list[DraftRequest], replica_of: dict[str, Replica]) -> dict[str, object]:
-        """One Propose per replica, concurrently; returns session_id → Draft | ResyncRequired | ItemError.
+        """One Propose per replica, waited for; returns session_id → Draft | ResyncRequired | ItemError.
         Sessions missing from the result got no draft this step (late, failed, or no replica)."""
+        msgs = self._messages(requests, replica_of)
+        if len(msgs) != 1:
+            return self.collect(self._send(msgs))
+        # One replica (the usual case): a blocking call polls in this thread and returns ~0.1-0.2 ms sooner
+        # than a future, whose answer is handed over by gRPC's polling thread.
+        (address, msg), = msgs.items()
+        try:
+            return _answers(self.replicas[address].stub.Propose(msg, timeout=self.deadline_s))
+        except grpc.RpcError as e:
+            self._failed(address, e)
+            return {}
+
+    def start(self, requests: list[DraftRequest], replica_of: dict[str, Replica]) -> dict[str, grpc.Future]:
+        """`propose` without the wait: one Propose per replica sent, replica address → its future."""
+        return self._send(self._messages(requests, replica_of))
+
+    def _send(self, msgs: dict[str, dpb.ProposeRequest]) -> dict[str, grpc.Future]:
+        return {a: self.replicas[a].stub.Propose.future(m, timeout=self.deadline_s) for a, m in msgs.items()}
+
+    def collect(self, futures: dict[str, grpc.Future]) -> dict[str, object]:
+        """Waits for `start`'s calls; the same answers as `propose`."""
+        results: dict[str, object] = {}
+        for address, fut in futures.items():
+            try:
+                results.update(_answers(fut.result()))
+            except grpc.RpcError as e:
+                self._failed(address, e)
+        return results
+
+    @staticmethod
+    def _messages(requests: list[DraftRequest], replica_of: dict[str, Replica]) -> dict[str, dpb.ProposeRequest]:
         by_replica: dict[str, list[DraftRequest]] = {}
         for req in requests:
             by_replica.setdefault(replica_of[req.session_id].address, []).append(req)
-        msgs = {a: dpb.ProposeRequest(items=[_item(r) for r in reqs]) for a, reqs in by_replica.items()}
-        # One replica (the usual case): a blocking call polls in this thread and returns ~0.1-0.2 ms sooner
-        # than a future, whose answer is handed over by gRPC's polling thread. Several: futures, in parallel.
-        futures = {a: self.replicas[a].stub.Propose.future(m, timeout=self.deadline_s)
-                   for a, m in msgs.items()} if len(msgs) > 1 else {}
-        results: dict[str, object] = {}
-        for address, msg in msgs.items():
-            try:
-                resp = futures[address].result() if futures else \
-                    self.replicas[address].stub.Propose(msg, timeout=self.deadline_s)
-            except grpc.RpcError as e:
-                self._failed(address, e)
-                continue
-            for res in resp.results:
-                kind = res.WhichOneof("outcome")
-                if kind == "tree":
-                    results[res.session_id] = Draft(list(res.tree.tokens), list(res.tree.parents))
-                else:
-                    results[res.session_id] = getattr(res, kind)
-        return results
+        return {a: dpb.ProposeRequest(items=[_item(r) for r in reqs]) for a, reqs in by_replica.items()}
 
     def _failed(self, address: str, e: grpc.RpcError) -> None:
         code = e.code()
@@ -189,6 +202,15 @@ class DrafterClient:
         self._stop.set()
         for r in self.replicas.values():
             r.channel.close()
+
+
+def _answers(resp: dpb.ProposeResponse) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for res in resp.results:
+        kind = res.WhichOneof("outcome")
+        out[res.session_id] = Draft(list(res.tree.tokens), list(res.tree.parents)) if kind == "tree" \
+            else getattr(res, kind)
+    return out
 
 
 def _item(r: DraftRequest) -> dpb.ProposeItem:

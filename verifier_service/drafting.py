@@ -8,6 +8,10 @@ the next request is a `reset` with the last `window` rows from the session's Fea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import grpc
+
 from ddtree.internal.v1 import drafter_pb2 as dpb
 from service_kit.logs import get_logger
 from verifier_service import metrics
@@ -15,6 +19,18 @@ from verifier_service.drafter_client import Draft, DraftRequest, DrafterClient
 from verifier_service.session import AR, CHAIN, Session
 
 log = get_logger("verifier.drafting")
+
+
+@dataclass
+class InFlight:
+    """Propose calls sent ahead: the sessions asked for and each replica's call."""
+
+    sessions: list[Session]
+    futures: dict[str, grpc.Future]
+
+    @property
+    def session_ids(self) -> set[str]:
+        return {s.id for s in self.sessions}
 
 
 class DraftPlanner:
@@ -36,20 +52,33 @@ class DraftPlanner:
 
     def draft(self, sessions: list[Session]) -> dict[str, Draft]:
         """session_id → Draft for the sessions that got one this step (others verify root-only)."""
-        wanted = [s for s in sessions if s.params.mode != AR and s.features.rows is not None]
-        requests = {}
-        for s in wanted:
-            req = self._request(s)
-            if req is not None:
-                requests[s.id] = req
+        wanted, requests, replica_of = self._requests(sessions)
         if not requests:
             return {}
-        replica_of = {s.id: self.client.replicas[s.drafter_replica] for s in wanted if s.id in requests}
-        answers = self.client.propose(list(requests.values()), replica_of)
+        return self._fold(wanted, self.client.propose(requests, replica_of))
+
+    def send(self, sessions: list[Session]) -> InFlight | None:
+        """`draft` without the wait: the engine sends the next step's Propose as soon as the accepted
+        paths are known, and commits KV and streams tokens while the drafter works."""
+        wanted, requests, replica_of = self._requests(sessions)
+        if not requests:
+            return None
+        return InFlight(wanted, self.client.start(requests, replica_of))
+
+    def receive(self, inflight: InFlight) -> dict[str, Draft]:
+        """`send`'s drafts (sessions finished since then are skipped by the caller)."""
+        return self._fold(inflight.sessions, self.client.collect(inflight.futures))
+
+    def _requests(self, sessions: list[Session]):
+        wanted = [s for s in sessions if s.params.mode != AR and s.features.rows is not None]
+        requests = [r for r in map(self._request, wanted) if r is not None]
+        sent = {r.session_id for r in requests}
+        wanted = [s for s in wanted if s.id in sent]
+        return wanted, requests, {s.id: self.client.replicas[s.drafter_replica] for s in wanted}
+
+    def _fold(self, wanted: list[Session], answers: dict[str, object]) -> dict[str, Draft]:
         drafts = {}
         for s in wanted:
-            if s.id not in requests:
-                continue
             drafts_for = answers.get(s.id)
             if isinstance(drafts_for, Draft):
                 problem = tree_problem(drafts_for, self._node_limit(s), self.vocab_size)

@@ -1,9 +1,10 @@
 """The verifier's decode loop: continuous batching of prefill chunks and tree verifies.
 
-One step = (1) admit waiting sessions while KV pages last; (2) one Propose per drafter replica for
-the decoding sessions; (3) ONE target forward over every prefill chunk and every session's
-[root, tree nodes…] rows; (4) accept per session (greedy walk or sample-and-walk); (5) commit the
-accepted rows' KV, keep their features for the drafter, emit path + bonus tokens.
+One step = (1) admit waiting sessions while KV pages last; (2) the decoding sessions' drafts: the
+Propose calls sent at the end of the previous step, plus one now for sessions without one; (3) ONE
+target forward over every prefill chunk and every session's [root, tree nodes…] rows; (4) accept per
+session (greedy walk or sample-and-walk) and keep the accepted rows' features; (5) send the next
+step's Propose, then commit the accepted rows' KV and emit path + bonus tokens while it drafts.
 The loop runs in its own thread; gRPC handlers talk to it through `submit` and `cancel`.
 """
 
@@ -41,6 +42,7 @@ class Engine:
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
         self.block_size = 0  # the drafter's, once it has told us
         self.on_fatal = None  # set at world size > 1: called (from the loop thread) when a step fails
+        self.inflight = None  # drafting.InFlight: the next step's Propose calls, sent ahead
         self.waiting: deque[Session] = deque()
         self.active: dict[str, Session] = {}
         self.reserved: dict[str, int] = {}  # pages promised to each admitted session
@@ -144,7 +146,7 @@ class Engine:
     def step(self) -> None:
         t0 = time.perf_counter()
         decoding = [s for s in self.active.values() if s.decoding]
-        drafts = self.drafting.draft(decoding) if self.drafting else {}
+        drafts = self._drafts(decoding) if self.drafting else {}
         t1 = time.perf_counter()
         seqs, jobs = self._rows(decoding, drafts)
         logit_rows = [r for job in jobs for r in job["logit_rows"]]
@@ -157,6 +159,15 @@ class Engine:
         t3 = time.perf_counter()
         metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, rows=plan.num_rows,
                              sessions=len(decoding), prefill=any(job["kind"] == "prefill" for job in jobs))
+
+    def _drafts(self, decoding: list[Session]) -> dict:
+        """The drafts sent for ahead (sessions finished since are dropped by `_rows`), and a Propose
+        now for decoding sessions that have none in flight (just prefilled, or sent none)."""
+        inflight, self.inflight = self.inflight, None
+        drafts = self.drafting.receive(inflight) if inflight is not None else {}
+        sent = inflight.session_ids if inflight is not None else set()
+        rest = [s for s in decoding if s.id not in sent]
+        return drafts | self.drafting.draft(rest) if rest else drafts
 
     def _rows(self, decoding: list[Session], drafts: dict):
         """Per-session SeqRows (verify trees first, then prefill chunks) and what to do with the output."""
@@ -228,12 +239,15 @@ class Engine:
             s.stats.record(len(walk.accepted_rows) - 1, drafted)
             metrics.observe_acceptance(len(walk.accepted_rows), drafted)
             emits.append((s, walk.tokens, logprobs, 1))
-        if commits:
-            self.cache.commit_many(commits)
         if keep:
             self._keep_features(keep, out.hidden, host.hidden)
-        for s, tokens, logprobs, steps in emits:
-            self._emit(s, tokens, logprobs, steps)
+        ends = [(s, *self._settle(s, tokens), logprobs, steps) for s, tokens, logprobs, steps in emits]
+        if self.drafting:  # the drafter works on the next step while this one commits and streams
+            self.inflight = self.drafting.send([s for s, _, reason, *_ in ends if reason is None])
+        if commits:
+            self.cache.commit_many(commits)
+        for s, kept, reason, stop_id, logprobs, steps in ends:
+            self._publish(s, kept, reason, stop_id, logprobs, steps)
 
     def _keep_features(self, keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> None:
         """Append each (session, position, rows) feature rows to its ring (a host copy: feature rings
@@ -249,13 +263,17 @@ class Engine:
         for s, position, rows in keep:
             s.features.append(position, on_host[rows.start: rows.stop] if isinstance(rows, range) else on_host[rows])
 
-    def _emit(self, s: Session, tokens: list[int], logprobs: list[float], steps: int) -> None:
+    def _settle(self, s: Session, tokens: list[int]):
+        """A step's tokens → (kept, finish reason or None, stop id); advances the session's counters."""
         kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
         s.emitted += len(kept)
         if not s.params.greedy:  # greedy sessions never draw from their uniform stream
             s.rng.advance(len(tokens) if reason is None else len(kept))
         if reason is None:
             s.pending = tokens[-1]
+        return kept, reason, stop_id
+
+    def _publish(self, s: Session, kept: list[int], reason, stop_id, logprobs: list[float], steps: int) -> None:
         lp = logprobs[: len(kept)] if s.params.return_logprobs else []
         if kept or reason is None:
             s.emit(Emission(kept, lp, steps))

@@ -41,6 +41,8 @@ class Runner:
                     else K2Config.from_json(config.model))
         self.device = rank_device(config, self.info.rank)
         self.dtype = DTYPES[config.dtype]
+        if self.device.type == "cuda":  # graphs and kernels use the current device's stream (--gpus 3)
+            torch.cuda.set_device(self.device)
         self.control = None
         if self.info.world_size > 1:
             self.control = ranks.Control(self.info, self.device, config.collective_timeout_s)

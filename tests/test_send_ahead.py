@@ -1,0 +1,94 @@
+"""The verifier sends the next step's Propose before it commits and streams the current step (engine
+`_finish_step` → drafting.send), and collects it at the start of the next step.
+
+In process: the real Runner on the tiny checkpoint (CPU), the real DrafterClient, and the scripted
+drafter (scripted_drafter.py) answering with trees built from a plain-AR run. The engine is stepped by
+hand, so "sent ahead" is observable without timing: after a decode step returns, the drafter has
+already received the next Propose, whose root is the step's last emitted token. The output must still
+equal plain AR token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from scripted_drafter import ScriptedDrafter, ScriptedDrafterServer
+from stack import tiny_ckpt  # noqa: F401
+
+from verifier_service.config import VerifierConfig
+from verifier_service.engine import build_engine
+from verifier_service.session import AR, DDTREE, GenParams, Session
+
+PROMPT = [5, 17, 300, 41, 9, 77, 123, 8]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tiny_ckpt):  # noqa: F811
+    cfg = json.loads((tiny_ckpt / "drafter" / "config.json").read_text())
+    drafter = ScriptedDrafter(block_size=cfg["block_size"], target_layer_ids=cfg["dflash_config"]["target_layer_ids"],
+                              hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                              mask_token_id=cfg["dflash_config"]["mask_token_id"])
+    server = ScriptedDrafterServer(drafter).start()
+    yield drafter, server
+    server.stop()
+
+
+def _engine(model, drafter_address):
+    config = VerifierConfig(model=str(model), device="cpu", dtype="float32", kv_cache_mb=8, page_size=16,
+                            drafter=(drafter_address,), draft_deadline_ms=5000)
+    return build_engine(config)
+
+
+def _run(engine, sid: str, mode: str, on_step=None) -> list[int]:
+    """Submits one session and steps the engine by hand until it ends; its emitted token ids."""
+    out = []
+    s = Session(sid, list(PROMPT), GenParams(max_new_tokens=N, ignore_eos=True, mode=mode, tree_budget=8),
+                out.append, window=64)
+    s.features_on = True
+    engine.submit(s)
+    while not s.finished:
+        engine._admit()
+        engine.step()
+        if on_step is not None and not s.finished:
+            on_step(s)
+    assert out[-1].error is None, out[-1].error
+    return [t for e in out for t in e.token_ids]
+
+
+def _wait(predicate, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_next_propose_is_sent_before_the_step_returns(tiny_ckpt, scripted_server):  # noqa: F811
+    drafter, server = scripted_server
+    engine = _engine(tiny_ckpt, server.address)
+    engine.runner.target_layer_ids = tuple(drafter.layer_ids)  # what the server learns from GetInfo
+    checked = []
+
+    def sent_ahead(s):
+        # After verify step k (and after the prefill step, k = 0) returns, the drafter gets Propose
+        # k + 1 with no further step: the engine sent it before committing and emitting step k.
+        k = s.stats.verify_steps
+        trees = lambda: drafter.progress["tree"].steps if "tree" in drafter.progress else 0  # noqa: E731
+        assert _wait(lambda: trees() == k + 1), f"after step {k}: the drafter has {trees()} Propose calls"
+        checked.append(k)
+
+    try:
+        ar = _run(engine, "ar", AR)
+        drafter.expect("tree", len(PROMPT), ar)
+        tree = _run(engine, "tree", DDTREE, on_step=sent_ahead)
+        assert engine.inflight is None or "tree" not in [s.id for s in engine.inflight.sessions]
+    finally:
+        engine.drafting.client.close()
+    assert len(ar) == N and tree == ar, "drafts sent ahead changed the output"
+    assert checked[:2] == [0, 1] and len(checked) >= 3, checked
+    assert drafter.record.accepted_depths, "no drafted token was ever accepted"
+    assert not drafter.record.violations, drafter.record.violations[:5]
