@@ -11,6 +11,7 @@ The engine is thread-safe (one lock): the servicer may call it from any gRPC wor
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import numbers
 import threading
@@ -142,11 +143,16 @@ class DrafterEngine:
         model = load_drafter(drafter_dir, target_dir, device=device, dtype=dtype, yarn_amplitude=yarn_amplitude)
         return cls(model, options, name=Path(drafter_dir).name)
 
+    def _on_device(self):
+        """This engine's GPU as the calling thread's current device: graph replays and kernel launches
+        go to the current device's stream, and callers (gRPC event loop, worker threads) start on GPU 0."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def warm_up(self) -> int:
         """Capture the CUDA graphs of the common step shapes before serving; returns how many exist."""
         if self.graphs is None:
             return 0
-        with self._lock, torch.inference_mode():
+        with self._lock, self._on_device(), torch.inference_mode():
             return self.graphs.capture_all(self.cfg.block_size)
 
     def info(self) -> DrafterInfo:
@@ -173,7 +179,7 @@ class DrafterEngine:
     @torch.inference_mode()
     def propose(self, items: Sequence[ProposeItem]) -> list[ProposeResult]:
         """One result per item, in order. Only a device fault raises; bad items become ItemError."""
-        with self._lock:
+        with self._lock, self._on_device():
             results: list[ProposeResult | None] = [None] * len(items)
             batch = {item.session_id for item in items}  # never evicted while this batch runs
             seen: set[Hashable] = set()

@@ -94,10 +94,6 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
 
 
 def load_engine(config: DrafterConfig) -> DrafterEngine:
-    device = torch.device(config.device)
-    if device.type == "cuda" and device.index is not None:
-        # CUDA graphs and the kernels run on the *current* device's stream: make it this one (cuda:7).
-        torch.cuda.set_device(device)
     options = EngineOptions(cache_bytes=config.cache_mb * 2**20, window=config.window or None,
                             max_tree_budget=config.max_tree_budget, use_kernels=config.kernels,
                             cuda_graphs=config.cuda_graphs)

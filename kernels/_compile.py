@@ -96,13 +96,19 @@ def resources(compiled: Compiled) -> dict[str, dict[str, int]]:
     return out
 
 
-@functools.cache
 def get_kernels(source: str, names: tuple[str, ...], device: int | None = None) -> dict:
-    """Compile for the device's arch (cached) and load: {name expression: cuda.core Kernel}."""
+    """Compile for the device's arch (cached) and load: {name expression: cuda.core Kernel}. The module
+    is loaded once per device (default: the current one), since each GPU has its own context."""
     import torch
+
+    return _load(source, names, torch.cuda.current_device() if device is None else device)
+
+
+@functools.cache
+def _load(source: str, names: tuple[str, ...], device: int) -> dict:
     from cuda.core import Device, ObjectCode
 
-    dev = Device(torch.cuda.current_device() if device is None else device)
+    dev = Device(device)
     dev.set_current()  # the primary context, which torch uses too
     compiled = compile_cubin(source, f"sm_{dev.arch}", names)
     mangled = {n: m.encode() for n, m in compiled.symbols.items()}  # bytes, as NVRTC reports them

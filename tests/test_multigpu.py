@@ -35,3 +35,18 @@ def outputs(request, tiny_ckpt, tmp_path_factory, world: int, mode: int) -> list
 def test_stack_on_two_gpus_equals_one(request, tiny_ckpt, tmp_path_factory):
     ref = outputs(request, tiny_ckpt, tmp_path_factory, 1, pb.SPEC_MODE_AR)
     assert outputs(request, tiny_ckpt, tmp_path_factory, 2, pb.SPEC_MODE_DDTREE) == ref
+
+
+def test_drafter_and_verifier_on_the_second_gpu(request, tiny_ckpt, tmp_path_factory):
+    """Bare-metal flags, no CUDA_VISIBLE_DEVICES: drafter --device cuda:1, verifier --gpus 1. CUDA's current
+    device is per thread (gRPC's and the engine's threads start on GPU 0), so each service binds its GPU
+    in every thread that launches kernels or replays graphs. Drafts must arrive and change nothing."""
+    with new_stack(request, tiny_ckpt, tmp_path_factory) as st:
+        st.add_drafter("--device", "cuda:1")
+        st.add_verifier("--device", "cuda", "--gpus", "1")
+        st.add_gateway()
+        ar = [generate(st.generation, gen_request(p, 32, mode=pb.SPEC_MODE_AR)) for p in PROMPTS]
+        tree = [generate(st.generation, gen_request(p, 32, mode=pb.SPEC_MODE_DDTREE, budget=8)) for p in PROMPTS]
+    assert [r.ids for r in tree] == [r.ids for r in ar]
+    stats = [r.final.spec_stats for r in tree]
+    assert all(s.draft_tokens > 0 and s.draft_unavailable_steps == 0 for s in stats), stats

@@ -93,6 +93,7 @@ class Engine:
 
     # ---- the loop ----
     def _loop(self) -> None:
+        self.runner.bind_thread()
         while True:
             with self._wake:
                 while not self._stop and not self.active and not self.waiting:

@@ -41,8 +41,7 @@ class Runner:
                     else K2Config.from_json(config.model))
         self.device = rank_device(config, self.info.rank)
         self.dtype = DTYPES[config.dtype]
-        if self.device.type == "cuda":  # graphs and kernels use the current device's stream (--gpus 3)
-            torch.cuda.set_device(self.device)
+        self.bind_thread()
         self.control = None
         if self.info.world_size > 1:
             self.control = ranks.Control(self.info, self.device, config.collective_timeout_s)
@@ -98,6 +97,7 @@ class Runner:
         graphs exist."""
         if self.graphs is None:
             return 0
+        self.bind_thread()
         pad_slot = self.graphs.pad_slot
         pad_page = pad_slot // self.cache.page_size
         for rows, width in self.graphs.warm_keys(max_rows):  # every row writes the pad slot, reads no prefix
@@ -105,6 +105,13 @@ class Runner:
             self.forward(build_plan([seq], pin=self.device.type == "cuda"))
         self.sync()
         return len(self.graphs.graphs)
+
+    def bind_thread(self) -> None:
+        """Make this rank's GPU the calling thread's current device (CUDA's current device is per thread):
+        graph capture and the kernels use the current device's stream. Called by every thread that runs
+        steps: __init__'s, warm-up's and the engine loop's."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def sync(self) -> None:
         """Wait for this rank's device (kernels and graph replays return before the GPU is done)."""
