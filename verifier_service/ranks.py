@@ -105,7 +105,14 @@ class Control:
         return out
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.group is not None:
+            # NCCL: destroy_process_group flushes the communicators and never returns once collectives
+            # were captured in CUDA graphs (pytorch#115388; both ranks hung there on 2 H200s). The ranks
+            # are leaving and use no collective again: abort them, a local call.
+            dist.distributed_c10d._abort_process_group()
+        else:
             dist.destroy_process_group()
 
 

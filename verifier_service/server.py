@@ -153,10 +153,9 @@ def main(config: VerifierConfig) -> int:
                 found = threading.Event()
                 threading.Thread(target=fetch_drafter_layout, args=(engine, found), daemon=True).start()
                 await asyncio.to_thread(found.wait, 30.0)  # start without drafts if no drafter answers yet
-            if config.world_size == 1:  # across ranks graphs are still captured on first use: warm-up over
-                # NCCL is not yet verified on a multi-GPU machine (a 2-GPU test run timed out, 2026-11-29)
-                graphs = await asyncio.to_thread(engine.runner.warm_up, config.max_tree_budget + 1)
-                log.info("verifier_graphs", captured=graphs, layer_ids=list(engine.runner.target_layer_ids))
+            # Every rank captures the same graphs in the same order (rank 0 drives them through `forward`).
+            graphs = await asyncio.to_thread(engine.runner.warm_up, config.max_tree_budget + 1)
+            log.info("verifier_graphs", captured=graphs, layer_ids=list(engine.runner.target_layer_ids))
             engine.start()
 
         async def on_stop() -> None:
