@@ -37,7 +37,7 @@ def main() -> int:
     if runner.info.rank > 0:
         ranks.worker_loop(runner, runner.control)
         runner.control.close()
-        return 0
+        ranks.exit_process(0)
     plan, prompt = plan_for(runner)
     logits = runner.forward(plan).logits
     # second op: a tree verify on top of the committed prefix, exercising the KV copy op too
@@ -52,6 +52,8 @@ def main() -> int:
     logits3 = runner.forward(plan3).logits
     torch.save({"prefill": logits.cpu(), "tree": logits2.cpu(), "after_commit": logits3.cpu()}, out)
     runner.shutdown()
+    if world > 1:
+        ranks.exit_process(0)  # as the server does: no NCCL teardown at exit
     return 0
 
 

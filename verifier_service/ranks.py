@@ -105,15 +105,24 @@ class Control:
         return out
 
     def close(self) -> None:
+        """Leave the group. NCCL is not torn down: destroy_process_group flushes the communicators and
+        never returns once collectives were captured in CUDA graphs (pytorch#115388; both ranks hung
+        there on 2 H200s; with an abort instead they still did not exit). The ranks meet at a gloo barrier, so none
+        leaves while another still waits for an op, and the process then ends through `exit_process`."""
         if not dist.is_initialized():
             return
-        if self.group is not None:
-            # NCCL: destroy_process_group flushes the communicators and never returns once collectives
-            # were captured in CUDA graphs (pytorch#115388; both ranks hung there on 2 H200s). The ranks
-            # are leaving and use no collective again: abort them, a local call.
-            dist.distributed_c10d._abort_process_group()
-        else:
+        if self.group is None:
             dist.destroy_process_group()
+            return
+        dist.barrier(group=self.group)
+
+
+def exit_process(code: int) -> None:
+    """End a rank's process now: flush output, skip interpreter teardown (NCCL and CUDA graph
+    destructors can block at exit, see Control.close); the OS reclaims the GPU."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -185,9 +194,8 @@ def run_worker(config, info: RankInfo) -> int:
     runner = Runner(config, info)
     try:
         worker_loop(runner, runner.control)
-    except Exception as e:  # rank 0 died or a collective timed out: leave, never hang
+    except Exception as e:  # rank 0 died or a collective timed out: leave (no barrier with it), never hang
         log.error("worker_failed", rank=info.rank, error=repr(e))
         return 1
-    finally:
-        runner.control.close()
+    runner.control.close()
     return 0

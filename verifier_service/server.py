@@ -137,7 +137,7 @@ def main(config: VerifierConfig) -> int:
 
     info, workers = ranks.start_ranks(config, sys.argv[1:])
     if info is not None and info.rank > 0:
-        return ranks.run_worker(config, info)
+        ranks.exit_process(ranks.run_worker(config, info))
 
     async def run() -> None:
         holder = {}
@@ -170,4 +170,6 @@ def main(config: VerifierConfig) -> int:
                          warmup=warmup, on_stop=on_stop)
 
     asyncio.run(run())
+    if info is not None:  # several ranks: leave without NCCL teardown (ranks.Control.close)
+        ranks.exit_process(0)
     return 0
