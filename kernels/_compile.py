@@ -139,16 +139,20 @@ def _stream(torch_stream):
     return s
 
 
-def launch(kernel, grid, block, *args, smem: int = 0) -> None:
+def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False) -> None:
     """Launch on torch's current stream. Tensors pass as device pointers, Python ints as int32,
-    floats as float32, numpy scalars as themselves (use np.int64 etc. for other widths)."""
+    floats as float32, numpy scalars as themselves (use np.int64 etc. for other widths).
+    pdl: programmatic dependent launch (sm_90+): the kernel may start while the previous one on the
+    stream still runs, and must `griddepcontrol.wait` before reading what that one writes; CUDA graph
+    capture keeps it as a programmatic edge."""
     import torch
     from cuda.core import LaunchConfig, launch as cuda_launch
 
     if smem > 48 * 1024:
         _allow_smem(kernel, smem, torch.cuda.current_device())
-    cuda_launch(_stream(torch.cuda.current_stream()),
-                LaunchConfig(grid=grid, block=block, shmem_size=smem), kernel, *map(_arg, args))
+    config = LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl) \
+        if pdl else LaunchConfig(grid=grid, block=block, shmem_size=smem)
+    cuda_launch(_stream(torch.cuda.current_stream()), config, kernel, *map(_arg, args))
     if os.environ.get("DDTREE_KERNEL_SYNC") == "1" and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()  # raises on an asynchronous fault of this launch
 

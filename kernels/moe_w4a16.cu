@@ -2,6 +2,9 @@
 // Launches: moe_route (group pairs by local expert, zero the arrival counters) -> moe_gemm<0>
 // (gate/up + SiLU·up -> act) -> moe_gemm<1> (down -> y per pair; for T <= fuse_t the last block of
 // each 16-row output tile also does the combine) -> moe_combine (Σ_k w·y per token, only T > fuse_t).
+// The two GEMMs are launched with programmatic dependent launch (PDL): gate/up blocks become resident
+// while moe_route runs and wait for it at their start; down blocks become resident while gate/up
+// runs, stream their first weight stages, and wait for gate/up only before their first read of act.
 //
 // GEMM tiling: a block owns 16 output rows of one expert (both gate and up rows in mode 0) and all
 // of that expert's tokens; its NW warps split K, and for few active experts the gate/up K is also
@@ -21,13 +24,21 @@
 #define STAGES 4
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
+// Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it). wait: every
+// prerequisite grid has completed and its writes are visible. trigger: this block no longer keeps the
+// dependent grid from being scheduled (it still has to wait before reading what this grid writes).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 // Pairs p = t*k + s of the [T, k] routing; local expert e = topk_ids[p] - first, owned iff 0 <= e < E.
 // offsets[E+1]: sorted rows of expert e are offsets[e]..offsets[e+1]-1; order[row] = pair index;
 // active[0..*num_active) = experts with rows, ascending. Row order inside an expert is irrelevant:
 // every token column of the GEMMs is computed independently. Also zeroes counters[0..ncnt) (the
-// gemm kernels' arrival counters). Dynamic smem: 2*E ints.
+// gemm kernels' arrival counters). Dynamic smem: 2*E ints. Warp 0 scans the counts 32 experts a step
+// (shuffle prefix sum + ballot compaction) instead of one thread walking all E (3.0 -> 1.9 us, H200).
 extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int E, int* offsets,
                                      int* order, int* active, int* num_active, int* counters, int ncnt) {
+  pdl_trigger();  // the gate/up blocks may become resident now; they wait for this grid to finish
   extern __shared__ int cnt[];  // [E] counts, then [E] cursors
   int* cur = cnt + E;
   for (int i = threadIdx.x; i < ncnt; i += blockDim.x) counters[i] = 0;
@@ -38,15 +49,26 @@ extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int 
     if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int off = 0, na = 0;
-    for (int e = 0; e < E; ++e) {
-      offsets[e] = cur[e] = off;
-      if (cnt[e]) active[na++] = e;
-      off += cnt[e];
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int base = 0, nbase = 0;  // rows and active experts before this step's 32
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane, c = e < E ? cnt[e] : 0;
+      int incl = c;  // inclusive prefix sum of the counts over the step
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+      }
+      const u32 has = __ballot_sync(0xffffffffu, c > 0);
+      if (e < E) {
+        offsets[e] = cur[e] = base + incl - c;
+        if (c) active[nbase + __popc(has & ((1u << lane) - 1))] = e;
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+      nbase += __popc(has);
     }
-    offsets[E] = off;
-    *num_active = na;
+    if (lane == 0) offsets[E] = base, *num_active = nbase;
   }
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
@@ -83,7 +105,9 @@ struct Stage {  // one warp's share of one pipeline stage
 // Σ over the warp's chunks gc = slot, slot + stride, ... (nch of them) of scale · (q · x), for the
 // NV <= NT token tiles that hold real tokens (compile-time, so the chunk body has no branches).
 // Wm/Sm: the tile's first row of words / scales; xr[n]: this lane's token row of B, + 8t.
-template <int MT, int NT, int NV>
+// WAIT_X: griddepcontrol.wait between the weight prologue and the first read of B (the down GEMM's
+// weights stream in while the gate/up kernel that writes its B still runs).
+template <int MT, int NT, int NV, bool WAIT_X>
 __device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm)[MT], const u16* const (&Sm)[MT],
                                           int KW, int KG, const u16* const (&xr)[NT], int slot, int stride, int nch,
                                           float (&acc)[MT][NT][4]) {
@@ -128,6 +152,7 @@ __device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm
     if (s < nch) issue();
     cp_async_commit();
   }
+  if (WAIT_X) pdl_wait();
   if (nch > 0) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
@@ -269,6 +294,10 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 // MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. Grid
 //         (N/16, min(E, P), 1). fuse: counters[x] elects the last expert's block of output tile x,
 //         which writes final_out[:, 16x..16x+15] (combine_tile); with no active expert block (x, 0) does.
+// PDL: MODE 0 waits for moe_route before its first read, then (blocks with work) lets MODE 1 be
+// scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0
+// block waited for them before triggering. Every MODE 1 block with work waits before reading act, so
+// MODE 1 completes after MODE 0 (with no active expert MODE 0 writes nothing).
 // Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
 template <int MODE, int NT>
 __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, const u16* __restrict__ S0,
@@ -278,6 +307,7 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
     u16* final_out, i64 first, int E, int T, int fuse) {
   constexpr int MT = MODE == 0 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
+  if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
   // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
   // is an unwritten slot of the [E] list and goes unused.
   const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, row0 = blockIdx.x * 16;
@@ -289,6 +319,7 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
   const int split = MODE == 1 ? 1 : split_force > 0 ? min(split_force, smax)
                                                     : pick_split(na, N / 16, chunks, NW, slots, smax);
   if ((int)blockIdx.z >= split) return;
+  if (MODE == 0) pdl_trigger();  // the down kernel may be scheduled (it waits for this grid before act)
   const int g = threadIdx.x >> 2, t = threadIdx.x & 3;
   const int off = offsets[e], n_e = offsets[e + 1] - off;
   // Warp slot w of split block z takes chunks w + z*NW, then every split*NW: the block's warps read
@@ -313,9 +344,9 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
     }
     float acc[MT][NT][4] = {};
     if (NT > 1 && ntv == 1)
-      warp_gemm<MT, NT, 1>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
+      warp_gemm<MT, NT, 1, MODE == 1>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
     else
-      warp_gemm<MT, NT, NT>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
+      warp_gemm<MT, NT, NT, MODE == 1>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
     block_sum<MT, NT>(smem, acc, ntv, [&](int n, int l, const float (&v)[MT][4]) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

@@ -17,11 +17,14 @@ Kernel: fp32 accumulation; gate/up/SiLU in fp32, act rounded to bf16 once; outpu
 Requires H % 128 == 0 and I % 128 == 0 (K is streamed in 128-input chunks). Weights stay in the
 checkpoint layout above (no repack): ldmatrix hands each lane its word of a 16-byte group piece.
 Launches: moe_route, gate/up, down (+ combine fused into its last block per 16-row output tile when
-T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. Optionally (SPLIT_MAX > 1, off
-by default: slower on the H200) the gate/up K is split over blocks for few active experts, decided
-on the device from the active count since the host never syncs: fp32 partials, the last block per
-tile sums them in a fixed order, so results are deterministic. Graph-safe: no host sync; workspace comes from torch's caching allocator; the
-arrival counters are zeroed by moe_route in the same call.
+T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. Gate/up and down use programmatic
+dependent launch (PDL, sm_90+): each becomes resident while its predecessor runs; gate/up waits for
+moe_route at its start, down streams its first weight stages before it waits for act. Optionally
+(SPLIT_MAX > 1, off by default: slower on the H200) the gate/up K is split over blocks for few active
+experts, decided on the device from the active count since the host never syncs: fp32 partials, the
+last block per tile sums them in a fixed order, so results are deterministic. Graph-safe: no host
+sync; workspace comes from torch's caching allocator; the arrival counters are zeroed by moe_route in
+the same call.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ SPLIT_MAX = 1  # most gate/up K-split blocks per tile (when P <= SPLIT_MAX_P). 1
 SPLIT_MAX_P = 64
 SPLIT: int | None = None  # force this split (tests); None: the kernel picks from the active-expert count
 FUSE_COMBINE_T = 64  # up to this many tokens the down kernel's last block per tile does the combine
+PDL = True  # programmatic dependent launch of the two GEMMs (False: plain stream order, for comparison)
 
 
 def _stage_bytes(mt: int) -> int:
@@ -92,7 +96,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, active, active[E:],
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse),
-               smem=nw * STAGES * _stage_bytes(2 - mode))
+               smem=nw * STAGES * _stage_bytes(2 - mode), pdl=PDL)
     if not fuse:
         launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
     return out

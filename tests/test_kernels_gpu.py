@@ -42,7 +42,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, cos: float) -
 
 
 @pytest.mark.parametrize("T", [1, 3, 17, 63, 300])
-@pytest.mark.parametrize("H,I", [(512, 256), (7168, 2048)])
+@pytest.mark.parametrize("H,I", [(512, 256), (384, 128), (7168, 2048)])  # 384/128: 3 and 1 K chunks
 def test_moe_w4a16(T, H, I):
     E, first, k = 12, 5, 8
     experts = random_experts(E, H, I, first=first, seed=T)
@@ -56,11 +56,12 @@ def test_moe_w4a16(T, H, I):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-@pytest.mark.parametrize("split", [2, 3, 4])
-@pytest.mark.parametrize("T,H,I", [(1, 7168, 2048), (5, 7168, 2048), (3, 512, 256)])
+@pytest.mark.parametrize("split", [2, 3, 4, 8])
+@pytest.mark.parametrize("T,H,I", [(1, 7168, 2048), (5, 7168, 2048), (3, 512, 256), (17, 384, 128)])
 def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
     """Gate/up K split over blocks (fp32 partials, last block of a tile finishes): forced split counts,
-    ragged chunk shares (56 chunks over 16/24/32 warps; 4 chunks leave whole blocks empty)."""
+    ragged chunk shares (56 chunks over 16/24/32/64 warps; 3 or 4 chunks leave whole blocks empty),
+    and T = 17 (two token tiles, separate partial rows per token tile)."""
     import kernels.moe_w4a16 as moe
 
     monkeypatch.setattr(moe, "SPLIT", split)
@@ -72,6 +73,34 @@ def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
     poison_allocator()
     out = moe_w4a16(x, ids, w, experts)
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_moe_w4a16_back_to_back(graph, monkeypatch):
+    """Calls queued without a host sync in between (the gate/up and down kernels overlap their
+    predecessors through programmatic dependent launch; the sync-every-launch fixture would hide a
+    missing wait), eagerly and replayed from a CUDA graph: every result still matches. K2.6 shapes,
+    some experts outside the local range, T from 1 to 40 (one and two token tiles)."""
+    monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
+    experts = random_experts(16, 7168, 2048, first=3, seed=7)
+    g = torch.Generator("cuda").manual_seed(7)
+    cases = []
+    for T in (1, 4, 9, 16, 40, 2):
+        ids = torch.stack([torch.randperm(24, generator=g, device="cuda")[:8] for _ in range(T)])
+        cases.append((torch.randn(T, 7168, generator=g, device="cuda").bfloat16(), ids,
+                      torch.rand(T, 8, generator=g, device="cuda")))
+    outs = [moe_w4a16(*c, experts) for c in cases]
+    if graph:
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            outs = [moe_w4a16(*c, experts) for c in cases]
+        for x, ids, w in cases:  # new inputs in place, then replay
+            x.copy_(torch.randn(x.shape, generator=g, device="cuda").bfloat16())
+            ids.copy_(torch.stack([torch.randperm(24, generator=g, device="cuda")[:8] for _ in range(len(ids))]))
+        cg.replay()
+    torch.cuda.synchronize()
+    for out, c in zip(outs, cases):
+        assert_close(out, moe_w4a16_ref(*c, experts), rel=1e-2, cos=0.9999)
 
 
 @pytest.mark.parametrize("T", [1, 17, 63, 200])
