@@ -118,16 +118,12 @@ def dense_fits(rows: int, experts: ExpertStack) -> bool:
 
 
 def dense_stack(experts: ExpertStack, dtype: torch.dtype) -> ExpertStack:
-    """The same experts as dense tensors in `dtype` (dequantized once: E_local·3·H·I values, 4x the INT4
-    bytes at bf16), exactly what the reference dequantizes per call. down_proj keeps its logical shape
-    [E, H, I] but is stored [E, I, H] (a transposed view), so `moe_experts_dense` reads it as one
-    [E·I, H] matrix without a copy."""
+    """The same experts as dense [E_local, out, in] tensors in `dtype` (dequantized once: E_local·3·H·I
+    values, 4x the INT4 bytes at bf16), exactly what the reference dequantizes per call."""
     def dense(w: ExpertMatrix) -> torch.Tensor:
         return w.dequantize(dtype) if isinstance(w, Int4Weight) else w.to(dtype)
 
-    down = dense(experts.down_proj)
-    return ExpertStack(dense(experts.gate_proj), dense(experts.up_proj),
-                       down.transpose(1, 2).contiguous().transpose(1, 2), experts.first)
+    return ExpertStack(dense(experts.gate_proj), dense(experts.up_proj), dense(experts.down_proj), experts.first)
 
 
 def moe_experts_dense(
@@ -135,24 +131,20 @@ def moe_experts_dense(
 ) -> torch.Tensor:
     """moe_experts_ref's contract without host syncs or data-dependent shapes: x [T, H] -> [T, H].
 
-    Every local expert on every token as TWO plain GEMMs over the stacked experts (not E batched ones:
-    cuBLAS picks slow kernels for batched fp32 GEMMs of 8-16 rows): gate/up [T, H] @ [H, E·I], then the
-    router-weighted activations [T, E·I] @ [E·I, H], which sums over experts inside the GEMM's fp32
-    accumulation. Pairs of other ranks' experts weigh 0. `experts` should be a `dense_stack`: an INT4
-    stack is dequantized on every call, which also copies int4's shift table to the device (not
-    capturable in a CUDA graph).
+    Every local expert on every token (SwiGLU in x's dtype, like the reference), combined in fp32 with
+    the router weights of the pairs routed to this rank; pairs of other ranks' experts weigh 0.
+    `experts` should be a `dense_stack`: an INT4 stack is dequantized on every call, which also copies
+    int4's shift table to the device (not capturable in a CUDA graph).
     """
-    E, (T, H) = experts.count, x.shape
+    E = experts.count
     local = topk_ids - experts.first  # [T, k]; outside [0, E) matches no local expert
     hit = local[..., None] == torch.arange(E, device=x.device)  # [T, k, E]
     combine = (hit * topk_weights[..., None]).sum(1)  # fp32 [T, E]; ids are distinct per token
-    d = dense_stack(experts, x.dtype) if isinstance(experts.gate_proj, Int4Weight) else experts
-    I = d.gate_proj.shape[1]
-    gate = F.linear(x, d.gate_proj.reshape(E * I, H)).view(T, E, I)
-    up = F.linear(x, d.up_proj.reshape(E * I, H)).view(T, E, I)
-    act = (F.silu(gate) * up).float() * combine[..., None]  # fp32 [T, E, I]
-    down = d.down_proj.transpose(1, 2).reshape(E * I, H)  # [E·I, H]: a view of dense_stack's layout
-    return (act.view(T, E * I).to(x.dtype) @ down).to(x.dtype)
+    d = dense_stack(experts, x.dtype)
+    gate, up, down = d.gate_proj, d.up_proj, d.down_proj  # [E, I, H], [E, I, H], [E, H, I]
+    act = F.silu(torch.matmul(x, gate.transpose(1, 2))) * torch.matmul(x, up.transpose(1, 2))  # [E, T, I]
+    y = torch.matmul(act, down.transpose(1, 2))  # [E, T, H]
+    return torch.einsum("eth,te->th", y.float(), combine).to(x.dtype)
 
 
 def moe_forward(
