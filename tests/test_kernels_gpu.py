@@ -75,12 +75,16 @@ def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("graph", [False, True])
-def test_moe_w4a16_back_to_back(graph, monkeypatch):
+def test_moe_w4a16_back_to_back(graph, pdl, monkeypatch):
     """Calls queued without a host sync in between (the gate/up and down kernels overlap their
     predecessors through programmatic dependent launch; the sync-every-launch fixture would hide a
     missing wait), eagerly and replayed from a CUDA graph: every result still matches. K2.6 shapes,
     some experts outside the local range, T from 1 to 40 (one and two token tiles)."""
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "PDL", pdl)
     monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
     experts = random_experts(16, 7168, 2048, first=3, seed=7)
     g = torch.Generator("cuda").manual_seed(7)
@@ -101,6 +105,20 @@ def test_moe_w4a16_back_to_back(graph, monkeypatch):
     torch.cuda.synchronize()
     for out, c in zip(outs, cases):
         assert_close(out, moe_w4a16_ref(*c, experts), rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("E", [55, 100])
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_moe_w4a16_many_local_experts(T, E):
+    """One EP rank's 55 experts (and 100): moe_route's warp scan runs over several 32-expert steps."""
+    k, first = 8, 20
+    experts = random_experts(E, 512, 256, first=first, seed=E + T)
+    g = torch.Generator("cuda").manual_seed(E + T)
+    ids = torch.stack([torch.randperm(E + 40, generator=g, device="cuda")[:k] for _ in range(T)])  # some not ours
+    w = torch.rand(T, k, generator=g, device="cuda")
+    x = torch.randn(T, 512, generator=g, device="cuda").bfloat16()
+    poison_allocator()
+    assert_close(moe_w4a16(x, ids, w, experts), moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
 @pytest.mark.parametrize("T", [1, 17, 63, 200])
