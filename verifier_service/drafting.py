@@ -8,9 +8,8 @@ the next request is a `reset` with the last `window` rows from the session's Fea
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-
-import grpc
 
 from ddtree.internal.v1 import drafter_pb2 as dpb
 from service_kit.logs import get_logger
@@ -26,7 +25,7 @@ class InFlight:
     """Propose calls sent ahead: the sessions asked for and each replica's call."""
 
     sessions: list[Session]
-    futures: dict[str, grpc.Future]
+    futures: dict[str, Future]
 
     @property
     def session_ids(self) -> set[str]:
