@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter-model", default=os.environ.get("DDTREE_DRAFTER_MODEL"),
                    help="DFlash drafter dir (default: MODEL/drafter)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--drafter-device", default=None,
+                   help="the drafter's device, e.g. cuda:7 beside a 7-GPU verifier (default: --device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--host", default="127.0.0.1", help="address the services bind")
     p.add_argument("--gateway-port", type=int, default=50051)
@@ -71,7 +73,8 @@ def commands(args) -> list[tuple[str, list[str]]]:
     if not args.no_drafter:
         procs.insert(0, ("drafter", [*base, "drafter", "--port", str(args.drafter_port),
                                      "--model", str(drafter_model), "--target-model", str(model),
-                                     "--device", args.device, "--dtype", args.dtype, *common, *metrics(2)]))
+                                     "--device", args.drafter_device or args.device, "--dtype", args.dtype,
+                                     *common, *metrics(2)]))
     return procs
 
 

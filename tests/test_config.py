@@ -78,3 +78,17 @@ def test_gateway_command_never_imports_torch():
             "main(['gateway', '--model', 'm', '--dry-run']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False"), out
+
+
+def test_serve_puts_the_drafter_on_its_own_device():
+    """`ddtree serve --device cuda --drafter-device cuda:7`: the drafter gets cuda:7, the verifier cuda."""
+    from service_kit import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_parser(parser.add_subparsers())
+    cmds = dict(launcher.commands(parser.parse_args(["serve", "--model", "models/kimi-tiny", "--device", "cuda",
+                                                     "--drafter-device", "cuda:7"])))
+    device = lambda cmd: cmd[cmd.index("--device") + 1]  # noqa: E731
+    assert device(cmds["drafter"]) == "cuda:7" and device(cmds["verifier"]) == "cuda"
+    same = dict(launcher.commands(parser.parse_args(["serve", "--model", "models/kimi-tiny", "--device", "cuda"])))
+    assert device(same["drafter"]) == "cuda"
