@@ -60,6 +60,7 @@ class Faults:
     late_every: int = 0  # answer every k-th Propose call after `late_s` (past the verifier's deadline)
     late_s: float = 0.0
     malformed_every: int = 0  # every k-th tree of a session is malformed (bad parent / token / size)
+    hold_s: float = 0.0  # every Propose waits this long before it reads its items (Release may overtake)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
         return dpb.ReleaseResponse()
 
     def Propose(self, request, context):
+        if self.faults.hold_s:
+            time.sleep(self.faults.hold_s)
         with self.lock:
             self.calls += 1
             late = self.faults.late_every and self.calls % self.faults.late_every == 0

@@ -92,3 +92,29 @@ def test_next_propose_is_sent_before_the_step_returns(tiny_ckpt, scripted_server
     assert checked[:2] == [0, 1] and len(checked) >= 3, checked
     assert drafter.record.accepted_depths, "no drafted token was ever accepted"
     assert not drafter.record.violations, drafter.record.violations[:5]
+
+
+def test_cancel_with_a_propose_in_flight_releases_after_it(tiny_ckpt, scripted_server):  # noqa: F811
+    """A session cancelled while its sent-ahead Propose is still in flight: the Release goes out only
+    after that call ends. The drafter here reads each Propose 0.3 s late; the first Propose of a session
+    (start 0) creates its drafter cache, so a Release sent at once would find no session and the held
+    Propose would then create one that nobody releases."""
+    drafter, server = scripted_server
+    engine = _engine(tiny_ckpt, server.address)
+    engine.runner.target_layer_ids = tuple(drafter.layer_ids)
+    s = Session("cancelled", list(PROMPT), GenParams(max_new_tokens=N, ignore_eos=True, mode=DDTREE, tree_budget=8),
+                [].append, window=64)
+    s.features_on = True
+    drafter.faults.hold_s = 0.3
+    try:
+        engine.submit(s)
+        engine._admit()
+        engine.step()  # prefill: the first token, and the session's first Propose sent ahead (held)
+        assert engine.inflight is not None and "cancelled" in engine.inflight.session_ids
+        engine._finish_cancelled("cancelled")
+        assert s.finished
+        assert _wait(lambda: "cancelled" in drafter.record.releases, 5), "the drafter never saw a Release"
+        assert "cancelled" not in drafter.sessions, "the held Propose re-created the released session"
+    finally:
+        drafter.faults.hold_s = 0.0
+        engine.drafting.client.close()

@@ -100,9 +100,16 @@ class DraftPlanner:
         for max_tree_budget)."""
         return self.config.max_tree_budget if s.params.mode == CHAIN else s.params.tree_budget
 
-    def release(self, s: Session) -> None:
-        if s.drafter_replica is not None:
+    def release(self, s: Session, inflight: InFlight | None = None) -> None:
+        """Free the session's drafter cache. With a Propose of it still in flight, only once that call
+        has ended: a Release that overtook it would let the Propose (re)create the session, a leak."""
+        if s.drafter_replica is None:
+            return
+        call = inflight.futures.get(s.drafter_replica) if inflight and s.id in inflight.session_ids else None
+        if call is None:
             self.client.release(s.id)
+        else:
+            call.add_done_callback(lambda _: self.client.release(s.id))
 
 
 def tree_problem(d: Draft, max_nodes: int, vocab_size: int) -> str | None:

@@ -298,7 +298,7 @@ class Engine:
         if s.id in self.table.sessions():
             self.table.close(s.id)
         if self.drafting:
-            self.drafting.release(s)
+            self.drafting.release(s, self.inflight)
         s.emit(final)
 
 
