@@ -107,8 +107,9 @@ class Control:
     def close(self) -> None:
         """Leave the group. NCCL is not torn down: destroy_process_group flushes the communicators and
         never returns once collectives were captured in CUDA graphs (pytorch#115388; both ranks hung
-        there on 2 H200s; with an abort instead they still did not exit). The ranks meet at a gloo barrier, so none
-        leaves while another still waits for an op, and the process then ends through `exit_process`."""
+        there on 2 H200s, and with an abort instead they still did not exit). The ranks meet at a gloo
+        barrier, so none leaves while another still waits for an op; the process then ends through
+        `exit_process`."""
         if not dist.is_initialized():
             return
         if self.group is None:
