@@ -22,7 +22,7 @@ from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
-from verifier_service.session import AR, Emission, Session
+from verifier_service.session import Emission, Session
 from verifier_service.stepping import accept_session, fetch_outputs, first_token
 
 log = get_logger("verifier.engine")
