@@ -150,8 +150,7 @@ def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False) -> None
 
     if smem > 48 * 1024:
         _allow_smem(kernel, smem, torch.cuda.current_device())
-    config = LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl) \
-        if pdl else LaunchConfig(grid=grid, block=block, shmem_size=smem)
+    config = LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl)
     cuda_launch(_stream(torch.cuda.current_stream()), config, kernel, *map(_arg, args))
     if os.environ.get("DDTREE_KERNEL_SYNC") == "1" and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()  # raises on an asynchronous fault of this launch

@@ -84,8 +84,9 @@ def run(args) -> int:
         return 1
     modes = mode_list(args.modes.split(","), [int(b) for b in args.budgets.split(",")])
     temps = [float(t) for t in args.temperatures.split(",")]
+    drafter_device = args.drafter_device or args.device
     report = {"model": str(model), "drafter": str(drafter), "device": args.device, "dtype": args.dtype,
-              "drafter_device": args.drafter_device or args.device,
+              "drafter_device": drafter_device,
               "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
               "prompts": [{"key": p["key"], "tokens": len(p["ids"])} for p in prompts],
               "torch": torch.__version__, "rows": []}
@@ -100,7 +101,7 @@ def run(args) -> int:
     if args.e2e:
         report["rows"] += run_e2e(model, drafter, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                   seed=args.seed, device=args.device, dtype=args.dtype,
-                                  drafter_device=args.drafter_device or args.device, log_dir=out / "logs", log=log)
+                                  drafter_device=drafter_device, log_dir=out / "logs", log=log)
     estimate_rpc(report["rows"])
     report["summary"] = summary(report["rows"])
     (out / "bench_spec.json").write_text(json.dumps(report, indent=2) + "\n")
