@@ -47,7 +47,7 @@ class EngineOptions:
     page_size: int = 64  # context rows per pool page
     max_tree_budget: int = 1024  # largest tree_budget accepted
     max_inject_rows: int = 8192  # rows per fc/k/v pass, bounds activation memory on long prefills
-    use_kernels: bool = True  # on CUDA: kernels/ddtree_build (device top-K + tree) when k <= 64
+    use_kernels: bool = True  # on CUDA: kernels/rms_norm (norms + RoPE) and kernels/ddtree_build (k <= 64)
     cuda_graphs: bool = True  # on CUDA: replay inject and block forward from CUDA graphs (graphs.py)
 
     def __post_init__(self):
@@ -119,6 +119,7 @@ class DrafterEngine:
     def __init__(self, model: DFlashDrafter, options: EngineOptions = EngineOptions(), *, name: str = "dflash"):
         self.model, self.cfg, self.options, self.name = model, model.cfg, options, name
         self.device, self.dtype = model.fc.weight.device, model.fc.weight.dtype
+        model.use_kernels(options.use_kernels)
         cfg = self.cfg
         self._page_bytes = page_bytes(cfg.num_hidden_layers, options.page_size, cfg.num_key_value_heads,
                                       cfg.head_dim, self.dtype)

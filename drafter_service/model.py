@@ -26,12 +26,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # kernels/rms_norm (one launch, RoPE included); DFlashDrafter.use_kernels sets it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
+        """x [..., dim] → normed; with cos/sin ([..., 1, dim] against x [..., heads, dim]) also rotated (RoPE)."""
+        if self.fused:
+            from kernels.rms_norm import rms_norm
+
+            return rms_norm(x.contiguous(), self.weight, self.eps, cos, sin)
         # Normalize in fp32, scale in the activation dtype (Qwen3RMSNorm numerics).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        y = self.weight * x32.to(x.dtype)
+        return y if cos is None else y * cos + rotate_half(y) * sin
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -75,14 +82,12 @@ class Attention(nn.Module):
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] (already normed) → K (k_norm + RoPE), V, each [..., nkv, hd]."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return k * cos + rotate_half(k) * sin, v
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)
+        return k, self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def forward(self, a, cos, sin, ctx_k, ctx_v, mask):
         """a [B, Bk, H] normed block; cos/sin [B, Bk, 1, hd]; ctx_k/ctx_v [B, Lc, nkv, hd]; mask [B, Bk, Lc+Bk]."""
-        q = self.q_norm(self.q_proj(a).unflatten(-1, (self.num_heads, self.head_dim)))
-        q = q * cos + rotate_half(q) * sin
+        q = self.q_norm(self.q_proj(a).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
         k_blk, v_blk = self.kv(a, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, nkv, Lc+Bk, hd]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
@@ -133,6 +138,12 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_tokens", torch.empty(vocab_size, cfg.hidden_size), persistent=False)
         self.register_buffer("lm_head", torch.empty(vocab_size, cfg.hidden_size), persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+
+    def use_kernels(self, on: bool) -> None:
+        """Fused RMSNorm(+RoPE) kernel for every norm on CUDA (CPU always runs the torch math)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = on and m.weight.is_cuda
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] int64 → cos, sin [..., 1, hd] (the 1 broadcasts over heads), amplitude folded in."""

@@ -19,6 +19,7 @@ def test_device_trees_equal_host_trees(tmp_path, mode, budget):
     engines = {use: DrafterEngine.load(d / "drafter", d, device="cuda", dtype=torch.float32,
                                        options=EngineOptions(cache_bytes=64 << 20, window=1024, use_kernels=use))
                for use in (False, True)}
+    engines[True].model.use_kernels(False)  # the same logits on both sides: only the tree builder differs
     width = len(engines[True].cfg.target_layer_ids) * engines[True].cfg.hidden_size
     g = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -31,6 +32,31 @@ def test_device_trees_equal_host_trees(tmp_path, mode, budget):
             assert h.tree.tokens.tolist() == k.tree.tokens.tolist()
             assert h.tree.parents.tolist() == k.tree.parents.tolist()
             assert h.tree.depths.tolist() == k.tree.depths.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_match_torch_norms(tmp_path, dtype):
+    """kernels/rms_norm in every drafter norm (RoPE fused into q/k norms) against the torch math: the draft
+    distributions agree to rounding (fp32: 1e-4 in log-prob; bf16: a few bf16 ulps of the logits)."""
+    from service_kit.tools import make_tiny
+
+    d = make_tiny(tmp_path / "tiny")
+    engines = {use: DrafterEngine.load(d / "drafter", d, device="cuda", dtype=dtype,
+                                       options=EngineOptions(cache_bytes=64 << 20, window=1024, use_kernels=use))
+               for use in (False, True)}
+    assert all(n.fused for n in engines[True].model.modules() if hasattr(n, "fused"))
+    width = len(engines[True].cfg.target_layer_ids) * engines[True].cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for step in range(3):
+        items = [ProposeItem(f"s{i}", 5 * step, torch.randn(5, width, generator=g), root_token=11 + i + step,
+                             tree_budget=8, return_draft_logprobs=True) for i in range(3)]
+        for want, got in zip(engines[False].propose(items), engines[True].propose(items)):
+            assert isinstance(want, Proposal) and isinstance(got, Proposal)
+            err = float(abs(want.topk_logprobs[:, 0] - got.topk_logprobs[:, 0]).max())
+            assert err < tol, f"step {step}: top-1 log-prob differs by {err} (limit {tol})"
+            same = float((want.topk_ids[:, 0] == got.topk_ids[:, 0]).mean())
+            assert same >= (1.0 if dtype == torch.float32 else 0.8), f"step {step}: top-1 agreement {same}"
 
 
 def test_graph_replay_equals_eager(tmp_path):

@@ -13,6 +13,7 @@ from kernels.kv_commit import kv_commit, kv_commit_ref
 from kernels import mla_tree_attention as mla_mod
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
 from kernels.moe_w4a16 import moe_w4a16, moe_w4a16_ref
+from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.tree_accept import tree_accept, tree_accept_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -321,3 +322,27 @@ def test_moe_and_mla_replay_in_cuda_graph():
     g.replay()
     assert_close(moe_out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
     assert_close(mla_out, mla_tree_attention_ref(*args, 0.1), rel=1e-2, cos=0.99995)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, rope", [((1, 64), False), ((3, 96), False), ((17, 384), False), ((63, 7168), False),
+                                         ((2, 8, 1536), False), ((1, 1, 64), True), ((3, 6, 64), True),
+                                         ((17, 2, 128), True), ((4, 8, 6, 64), True)])
+def test_rms_norm(shape, rope, dtype):
+    g = torch.Generator("cuda").manual_seed(len(shape) * 100 + shape[-1])
+    x = (torch.randn(shape, generator=g, device="cuda") * 3).to(dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=g, device="cuda")).to(dtype)
+    cos = sin = None
+    if rope:  # one angle table per position (row of x without its heads), as the drafter builds it
+        angles = torch.rand((*shape[:-2], 1, shape[-1] // 2), generator=g, device="cuda") * 100
+        cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    poison_allocator()
+    got, want = rms_norm(x, w, 1e-6, cos, sin), rms_norm_ref(x, w, 1e-6, cos, sin)
+    scale = float(want.float().abs().max())
+    err = float((got.float() - want.float()).abs().max())
+    if dtype == torch.float32:  # summation order and rsqrtf: a few fp32 ulps
+        assert err <= 1e-5 * scale, (err, scale)
+    else:  # the bf16-rounded normed value can land one ulp apart: ~2^-8 of the largest output
+        assert err <= 2**-7 * scale, (err, scale)
+        assert float((got == want).float().mean()) >= 0.95
+    assert not got.isnan().any()

@@ -1,0 +1,105 @@
+"""RMSNorm in one launch, optionally followed by rotate-half RoPE (the drafter's q_norm/k_norm + RoPE).
+
+    rms_norm(x, weight, eps, cos=None, sin=None) -> out   (new tensor, x's shape and dtype)
+
+x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D
+weight  [D], x's dtype
+cos/sin None, or contiguous [..., 1, D] (x's dtype) with x = [..., heads, D]: row r of x (flattened) uses
+        cos/sin row r // heads (one angle table per position, shared by its heads). Needs D % 64 == 0.
+
+Numerics of HF's Llama/Qwen3/DeepSeek RMSNorm: statistics in fp32, the normalized value rounded to x's
+dtype, times weight rounded to x's dtype; with RoPE, out[i] = y[i]·cos[i] - y[i+D/2]·sin[i] (first half)
+and y[i]·cos[i] + y[i-D/2]·sin[i] (second half) in fp32, rounded once. Torch runs the same as ~6 launches
+(cast, square, mean, rsqrt, multiply, cast, scale) plus ~5 for the rotation; a drafter step holds 17
+norms, 9 of them with RoPE (~150 of its ~295 launches, H200 2026-11-30).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels._compile import cuda_source, get_kernels, launch
+
+CODE = r"""
+template <typename T> struct io;
+template <> struct io<float> {
+  static __device__ __forceinline__ float ld(const float* p) { return *p; }
+  static __device__ __forceinline__ void st(float* p, float v) { *p = v; }
+  static __device__ __forceinline__ float round(float v) { return v; }
+};
+template <> struct io<u16> {  // bf16 as raw bits
+  static __device__ __forceinline__ float ld(const u16* p) { return bf2f(*p); }
+  static __device__ __forceinline__ void st(u16* p, float v) { *p = f2bf(v); }
+  static __device__ __forceinline__ float round(float v) { return bf2f(f2bf(v)); }
+};
+
+// One warp per row of D elements; block (32, ROWS). cos/sin null: plain RMSNorm. Otherwise D % 64 == 0,
+// so element i and its rotation partner i + D/2 sit in the same lane.
+template <typename T>
+__global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ cos,
+                         const T* __restrict__ sin, T* __restrict__ out, int N, int D, int heads, float eps) {
+  const int row = blockIdx.x * blockDim.y + threadIdx.y, lane = threadIdx.x;
+  if (row >= N) return;
+  const T* xr = x + (i64)row * D;
+  T* o = out + (i64)row * D;
+  float ss = 0.f;
+  for (int i = lane; i < D; i += 32) {
+    const float v = io<T>::ld(xr + i);
+    ss += v * v;
+  }
+#pragma unroll
+  for (int m = 16; m; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  const float inv = rsqrtf(ss / (float)D + eps);
+  if (cos == nullptr) {
+    for (int i = lane; i < D; i += 32) io<T>::st(o + i, io<T>::ld(w + i) * io<T>::round(io<T>::ld(xr + i) * inv));
+    return;
+  }
+  const int half = D / 2;
+  const T* c = cos + (i64)(row / heads) * D;
+  const T* s = sin + (i64)(row / heads) * D;
+  for (int i = lane; i < half; i += 32) {
+    const float a = io<T>::round(io<T>::ld(w + i) * io<T>::round(io<T>::ld(xr + i) * inv));
+    const float b = io<T>::round(io<T>::ld(w + i + half) * io<T>::round(io<T>::ld(xr + i + half) * inv));
+    io<T>::st(o + i, a * io<T>::ld(c + i) - b * io<T>::ld(s + i));
+    io<T>::st(o + i + half, b * io<T>::ld(c + i + half) + a * io<T>::ld(s + i + half));
+  }
+}
+"""
+NAMES = ("rms_norm<float>", "rms_norm<u16>")
+ROWS = 4  # warps (rows) per block
+_TYPE = {torch.float32: "float", torch.bfloat16: "u16"}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
+             sin: torch.Tensor | None = None) -> torch.Tensor:
+    D = x.shape[-1]
+    assert x.is_cuda and x.is_contiguous() and x.dtype in _TYPE, (x.shape, x.dtype)
+    assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
+    heads = 1
+    if cos is not None:
+        heads = x.shape[-2]
+        assert D % 64 == 0 and sin is not None, D
+        for t in (cos, sin):
+            assert t.dtype == x.dtype and t.is_contiguous() and t.numel() * heads == x.numel(), (t.shape, x.shape)
+    out = torch.empty_like(x)
+    N = x.numel() // D if D else 0
+    if N == 0:
+        return out
+    ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm<{_TYPE[x.dtype]}>"]
+    none = np.uint64(0)
+    launch(ker, (-(-N // ROWS),), (32, ROWS), x, weight, none if cos is None else cos, none if sin is None else sin,
+           out, N, D, heads, float(eps))
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None) -> torch.Tensor:
+    x32 = x.float()
+    y = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if cos is None:
+        return y
+    y1, y2 = y.float().chunk(2, dim=-1)
+    c1, c2 = cos.float().chunk(2, dim=-1)
+    s1, s2 = sin.float().chunk(2, dim=-1)
+    return torch.cat([y1 * c1 - y2 * s1, y2 * c2 + y1 * s2], dim=-1).to(x.dtype)
