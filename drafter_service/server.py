@@ -67,6 +67,13 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
         return self.engine
 
     async def Propose(self, request, context):
+        return self._propose(request)
+
+    async def ProposeStream(self, request_iterator, context):
+        async for request in request_iterator:
+            yield self._propose(request)
+
+    def _propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
         engine = self._engine()
         with PROPOSE_SECONDS.labels("decode").time():
             decoded = [item_from_proto(i, m) for i, m in enumerate(request.items)]

@@ -126,17 +126,32 @@ class _TorchStream:
         return 0, self.stream.cuda_stream
 
 
-_STREAMS: dict[int, object] = {}  # torch stream handle -> cuda.core Stream wrapping it (kept alive)
+# (device, torch stream handle) -> cuda.core Stream wrapping it (kept alive). The device is part of the key:
+# every device's default stream has handle 0.
+_STREAMS: dict[tuple[int, int], object] = {}
 
 
-def _stream(torch_stream):
-    s = _STREAMS.get(torch_stream.cuda_stream)
+def _current_stream():
+    """cuda.core Stream of torch's current stream on the current device. The raw handle is what
+    Inductor's generated code reads (`torch._C._cuda_getCurrentRawStream`): torch.cuda.current_stream()
+    resolves the device through is_available() on every call (~50 us of a drafter step's host time)."""
+    import torch
+
+    device = torch.cuda.current_device()
+    key = (device, torch._C._cuda_getCurrentRawStream(device))
+    s = _STREAMS.get(key)
     if s is None:
         from cuda.core import Device
 
-        dev = Device(torch_stream.device.index)
-        s = _STREAMS[torch_stream.cuda_stream] = dev.create_stream(_TorchStream(torch_stream))
+        s = _STREAMS[key] = Device(device).create_stream(_TorchStream(torch.cuda.current_stream(device)))
     return s
+
+
+@functools.lru_cache(maxsize=1024)
+def _config(grid, block, smem: int, pdl: bool):
+    from cuda.core import LaunchConfig
+
+    return LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl)
 
 
 def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False) -> None:
@@ -146,12 +161,11 @@ def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False) -> None
     stream still runs, and must `griddepcontrol.wait` before reading what that one writes; CUDA graph
     capture keeps it as a programmatic edge."""
     import torch
-    from cuda.core import LaunchConfig, launch as cuda_launch
+    from cuda.core import launch as cuda_launch
 
     if smem > 48 * 1024:
         _allow_smem(kernel, smem, torch.cuda.current_device())
-    config = LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl)
-    cuda_launch(_stream(torch.cuda.current_stream()), config, kernel, *map(_arg, args))
+    cuda_launch(_current_stream(), _config(grid, block, smem, pdl), kernel, *map(_arg, args))
     if os.environ.get("DDTREE_KERNEL_SYNC") == "1" and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()  # raises on an asynchronous fault of this launch
 

@@ -111,6 +111,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._wrap_stream(handler.unary_stream, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_bidi(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
         return handler
 
     async def _admit(self, context) -> None:
@@ -150,6 +155,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async with self._guard(request, context, method):
                 async for response in behavior(request, context):
                     yield response
+        return wrapper
+
+    def _wrap_bidi(self, behavior, method):
+        """A long-lived stream (ProposeStream): admission and error mapping, but it is not counted in
+        flight, or a drain would wait on it to its timeout; the server's stop cancels it."""
+        async def wrapper(request_iterator, context):
+            await self._admit(context)
+            try:
+                with structlog.contextvars.bound_contextvars(method=method):
+                    async for response in behavior(request_iterator, context):
+                        yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                await self._fail(context, method, e)
         return wrapper
 
 

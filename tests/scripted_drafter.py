@@ -130,6 +130,10 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
             time.sleep(self.faults.late_s)
         return dpb.ProposeResponse(results=results)
 
+    def ProposeStream(self, request_iterator, context):
+        for request in request_iterator:
+            yield self.Propose(request, context)
+
     # ---- one item
     def _error(self, sid: str, field_name: str, message: str) -> dpb.ProposeResult:
         self.record.item_errors += 1
@@ -333,7 +337,7 @@ class ScriptedDrafterServer:
 
     def __init__(self, drafter: ScriptedDrafter, port: int = 0):
         self.drafter = drafter
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))  # a stream holds a worker
         dpb_grpc.add_DrafterServicer_to_server(drafter, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -7,6 +7,7 @@ replayed from graphs. The kernel checks use random full-dimension K2.6 weights (
 55 experts, 10 heads).
 """
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -94,7 +95,42 @@ def test_k26_dims_greedy_unchanged_by_kernels():
         assert gaps[i] < 0.05, f"diverged at {i} with top-2 gap {gaps[i]:.4f}: {got} vs {ref}"
 
 
+def fp32_twin(w):
+    """The same weights with every floating tensor cast to fp32 (INT4 experts as they are): run on the
+    reference path this is the oracle the bf16 paths are measured against."""
+    if isinstance(w, torch.Tensor):
+        return w.float() if w.is_floating_point() else w
+    if isinstance(w, (list, tuple)):
+        return type(w)(fp32_twin(v) for v in w)
+    if dataclasses.is_dataclass(w) and type(w).__name__ != "Int4Weight":
+        return dataclasses.replace(w, **{f.name: fp32_twin(getattr(w, f.name)) for f in dataclasses.fields(w) if f.init})
+    return w
+
+
+def routed(model: K2Model, plan, kv: torch.Tensor, layer_ids=()):
+    """Eager forward -> (logits, {MoE layer: sorted top-k expert ids per row, on the host})."""
+    routes = {}
+    model.on_experts = lambda layer, ids: routes.__setitem__(layer, ids.sort(dim=-1).values.cpu())
+    try:
+        return model.forward(plan, kv, layer_ids).logits, routes
+    finally:
+        model.on_experts = None
+
+
+def assert_rows_close(got, got_routes, want, want_routes, limit: float, what: str) -> None:
+    """Row by row within `limit` relative, except rows whose MoE routing differs between the two runs: a
+    near-tie of the 8th and 9th expert flips under bf16 rounding (a legitimate difference of ~0.2 in that
+    row's logits, seen for 2 of 17 rows of the bf16 torch reference against fp32). At most 1 in 8 may."""
+    flipped = {r for layer in want_routes for r in range(want.shape[0])
+               if not torch.equal(got_routes[layer][r], want_routes[layer][r])}
+    assert len(flipped) <= max(1, want.shape[0] // 8), f"{what}: routing differs in rows {sorted(flipped)}"
+    for r in range(want.shape[0]):
+        rel = float((got[r].float() - want[r].float()).norm() / want[r].float().norm())
+        assert r in flipped or rel < limit, f"{what}: row {r} differs by {rel:.3e} relative (same experts)"
+
+
 def test_full_dimension_step_kernels_match_reference():
+    """Kernels (MLA tree attention + INT4 MoE) against the fp32 reference path of the same weights."""
     from verifier_service.bench_verify import tree_plan
     from verifier_service.synthetic import k26_config, random_target
     import random
@@ -105,12 +141,16 @@ def test_full_dimension_step_kernels_match_reference():
                          dtype=torch.bfloat16, device="cuda")
     cache.table.open("s")
     cache.table.extend("s", 2000)
+    torch.manual_seed(0)  # this cache gives two rows whose bf16 reference routing flips against fp32
     cache.kv.normal_()
     plan = tree_plan(cache, 17, 2000, cfg.vocab_size, random.Random(1))
-    ref = K2Model(cfg, w, use_kernels=False).forward(plan, cache.kv).logits
-    got = K2Model(cfg, w, use_kernels=True).forward(plan, cache.kv).logits
-    rel = float((got - ref).norm() / ref.norm())
-    assert rel < BF16_REL, f"full-dimension logits differ by {rel:.3e} relative"
+    kv0 = cache.kv.clone()
+    want, want_routes = routed(K2Model(cfg, fp32_twin(w), use_kernels=False), plan, kv0.float())
+    got, got_routes = routed(K2Model(cfg, w, use_kernels=True), plan, cache.kv)
+    assert_rows_close(got, got_routes, want, want_routes, BF16_REL, "kernels vs fp32 reference")
+    cache.kv.copy_(kv0)
+    ref, ref_routes = routed(K2Model(cfg, w, use_kernels=False), plan, cache.kv)  # the bf16 torch path
+    assert_rows_close(ref, ref_routes, want, want_routes, BF16_REL, "bf16 reference vs fp32 reference")
 
 
 def test_graph_replay_matches_eager():
@@ -140,18 +180,17 @@ def test_graph_replay_matches_eager():
                                 t.length(sid), t.pages(sid), t.scratch(sid, n)))
         plan = build_plan(seqs, device="cuda")
         assert graphs.fits(plan)
-        eager = model.forward(plan, cache.kv, (0, 1)).logits
+        eager, eager_routes = routed(model, plan, cache.kv, (0, 1))
         replay = graphs.forward(plan, (0, 1)).logits
         # Same padded inputs run eagerly: the replay must reproduce them (same kernels, same shapes).
         g = graphs.graphs[graphs.key(plan, (0, 1))]
-        padded = model.forward(g.plan, cache.kv, (0, 1)).logits[: plan.num_rows]
+        padded, padded_routes = routed(model, g.plan, cache.kv, (0, 1))
+        padded = padded[: plan.num_rows]
         same = float((replay - padded).norm() / padded.norm())
         assert same < 1e-3, f"sizes {sizes}: replay vs eager on the padded plan {same:.3e} relative"
-        # Padding changes the kernels' tiling (split-K, tokens per expert): bf16 noise only.
-        rel = float((replay - eager).norm() / eager.norm())
-        agree = float((replay.argmax(-1) == eager.argmax(-1)).float().mean())
-        print(f"sizes {sizes}: padded vs unpadded {rel:.3e} relative, argmax agreement {agree:.2f}")
-        assert rel < 5e-2 and agree >= 0.9, f"sizes {sizes}: padded vs unpadded {rel:.3e}, agreement {agree}"
+        # Padding changes the kernels' tiling (split-K, tokens per expert): bf16 noise, or a routing flip.
+        padded_routes = {layer: ids[: plan.num_rows] for layer, ids in padded_routes.items()}
+        assert_rows_close(replay, padded_routes, eager, eager_routes, BF16_REL, f"sizes {sizes}: padded vs unpadded")
     assert len(graphs.graphs) >= 4  # buckets 1, 8, 32, 64 were captured
 
 

@@ -1,7 +1,8 @@
 """The verifier's view of its drafter replicas: sticky routing, per-step deadline, failover, resync.
 
 Called from the engine's step thread: one Propose per replica per step, in parallel; either waited
-for at once (`propose`) or sent ahead (`start`) and waited for in the next step (`collect`).
+for at once (`propose`) or sent ahead (`start`) and waited for in the next step (`collect`). Proposes
+travel on one long-lived ProposeStream per replica (no per-call setup on the step's critical path).
 A session sticks to one replica; a replica that fails or is late marks its sessions "no draft this
 step" (they verify root-only, i.e. plain AR — output unchanged). A failed replica is marked down and
 its sessions move to a healthy one on their next step with `reset` + the last `window` feature rows.
@@ -10,10 +11,12 @@ Down replicas are probed in the background and take new sessions again once they
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import grpc
@@ -87,7 +90,7 @@ class DrafterClient:
         self.assignment: dict[str, Replica] = {}
         self.lock = threading.Lock()
         self._releasing: set[grpc.Future] = set()
-        self._calls = ThreadPoolExecutor(max_workers=8, thread_name_prefix="propose")  # `start`'s calls
+        self._streams: dict[str, ProposeStream] = {}  # replica address -> its open stream (engine thread)
         self._stop = threading.Event()
         self._probe = threading.Thread(target=self._probe_loop, args=(probe_period_s, targets), daemon=True)
         self._probe.start()
@@ -128,35 +131,30 @@ class DrafterClient:
     def propose(self, requests: list[DraftRequest], replica_of: dict[str, Replica]) -> dict[str, object]:
         """One Propose per replica, waited for; returns session_id → Draft | ResyncRequired | ItemError.
         Sessions missing from the result got no draft this step (late, failed, or no replica)."""
-        msgs = self._messages(requests, replica_of)
-        if len(msgs) != 1:
-            return self.collect(self._send(msgs))
-        # One replica (the usual case): a blocking call polls in this thread and returns ~0.1-0.2 ms sooner
-        # than a future, whose answer is handed over by gRPC's polling thread.
-        (address, msg), = msgs.items()
-        try:
-            return _answers(self.replicas[address].stub.Propose(msg, timeout=self.deadline_s))
-        except grpc.RpcError as e:
-            self._failed(address, e)
-            return {}
+        return self.collect(self.start(requests, replica_of))
 
     def start(self, requests: list[DraftRequest], replica_of: dict[str, Replica]) -> dict[str, Future]:
-        """`propose` without the wait: one Propose per replica sent, replica address → its future."""
-        return self._send(self._messages(requests, replica_of))
+        """`propose` without the wait: one Propose per replica sent, replica address → its answer (a Future)."""
+        deadline = time.monotonic() + self.deadline_s
+        answers = {}
+        for address, msg in self._messages(requests, replica_of).items():
+            stream = self._streams.get(address)
+            if stream is None or stream.broken:
+                stream = self._streams[address] = ProposeStream(self.replicas[address].stub)
+            answers[address] = stream.send(msg, deadline)
+        return answers
 
-    def _send(self, msgs: dict[str, dpb.ProposeRequest]) -> dict[str, Future]:
-        # Blocking calls on the client's own threads, not grpc futures: a sync channel with no call in
-        # flight starts a new polling thread for each future (0.3-0.7 ms of this thread's time per step
-        # on loopback, thread start and hand-shake); a pooled thread runs the call for ~20 us.
-        return {a: self._calls.submit(self.replicas[a].stub.Propose, m, timeout=self.deadline_s)
-                for a, m in msgs.items()}
-
-    def collect(self, futures: dict[str, Future]) -> dict[str, object]:
-        """Waits for `start`'s calls; the same answers as `propose`."""
+    def collect(self, answers: dict[str, Future]) -> dict[str, object]:
+        """Waits for `start`'s answers, each until its deadline; the same answers as `propose`."""
         results: dict[str, object] = {}
-        for address, fut in futures.items():
+        for address, answer in answers.items():
             try:
-                results.update(_answers(fut.result()))
+                results.update(_answers(answer.result(timeout=max(0.0, answer.deadline - time.monotonic()))))
+            except TimeoutError:
+                log.warning("drafter_late", replica=address, deadline_s=self.deadline_s)
+                stream = self._streams.pop(address, None)
+                if stream is not None:  # its later answers would answer the wrong requests
+                    stream.close()
             except grpc.RpcError as e:
                 self._failed(address, e)
         return results
@@ -170,9 +168,6 @@ class DrafterClient:
 
     def _failed(self, address: str, e: grpc.RpcError) -> None:
         code = e.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            log.warning("drafter_late", replica=address, deadline_s=self.deadline_s)
-            return
         log.warning("drafter_down", replica=address, code=code.name, details=e.details())
         with self.lock:
             self.replicas[address].healthy = False
@@ -206,9 +201,75 @@ class DrafterClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        for stream in self._streams.values():
+            stream.close()
         for r in self.replicas.values():
             r.channel.close()
+
+
+class Answer(Future):
+    """A Propose answer to come (a ProposeResponse); late once time.monotonic() passes `deadline`."""
+
+    def __init__(self, deadline: float):
+        super().__init__()
+        self.deadline = deadline
+
+
+class StreamEnded(grpc.RpcError):
+    """The drafter closed a ProposeStream with requests unanswered (it stopped)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "ProposeStream ended with requests unanswered"
+
+
+_END = object()  # ends a stream's request iterator
+
+
+class ProposeStream:
+    """One replica's ProposeStream. `send` queues a request (gRPC's own thread writes it); a reader thread
+    resolves each request's Answer with the next response, in order. A failed stream fails every pending
+    Answer with its RpcError and is `broken`; the client opens a new one for the next step."""
+
+    def __init__(self, stub: dpb_grpc.DrafterStub):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: deque[Answer] = deque()
+        self._lock = threading.Lock()
+        self.broken = False
+        self._call = stub.ProposeStream(iter(self._requests.get, _END))
+        threading.Thread(target=self._read, name="propose-stream", daemon=True).start()
+
+    def send(self, msg: dpb.ProposeRequest, deadline: float) -> Answer:
+        answer = Answer(deadline)
+        with self._lock:
+            if self.broken:
+                answer.set_exception(StreamEnded())
+                return answer
+            self._pending.append(answer)
+        self._requests.put(msg)
+        return answer
+
+    def _read(self) -> None:
+        error: grpc.RpcError = StreamEnded()
+        try:
+            for response in self._call:
+                with self._lock:
+                    answer = self._pending.popleft()
+                answer.set_result(response)
+        except grpc.RpcError as e:
+            error = e
+        with self._lock:
+            self.broken = True
+            pending, self._pending = list(self._pending), deque()
+        for answer in pending:
+            answer.set_exception(error)
+
+    def close(self) -> None:
+        self.broken = True
+        self._requests.put(_END)
+        self._call.cancel()
 
 
 def _answers(resp: dpb.ProposeResponse) -> dict[str, object]:

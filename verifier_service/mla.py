@@ -42,25 +42,30 @@ class MLAWeights:
     o_proj: torch.Tensor  # [H, heads_local * v_head_dim]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Statistics in fp32, normalized value cast back to x's dtype, then × weight (HF convention)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
+    """Statistics in fp32, normalized value cast back to x's dtype, then × weight (HF convention).
+    fused: the same in one launch (kernels/rms_norm, CUDA) instead of ~6."""
+    if fused:
+        from kernels.rms_norm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x.contiguous(), weight, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
 
 def mla_project(
-    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, fused_norms: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope], latent row [T, kv_lora + rope]."""
     heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
-    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
+    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS, fused_norms)  # [T, q_lora]
     q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope, cos[:, None, :], sin[:, None, :])  # [T, h, rope]
     kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
     c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    c = rms_norm(c, w.kv_a_layernorm, LATENT_NORM_EPS)  # the rope part is not normalized
+    c = rms_norm(c, w.kv_a_layernorm, LATENT_NORM_EPS, fused_norms)  # the rope part is not normalized
     latent = torch.cat([c, apply_rope(k_rope, cos, sin)], dim=-1)  # [T, 576]
     return q_nope, q_rope, latent
 
@@ -202,6 +207,7 @@ def mla_forward(
     groups: Sequence[KeyGroup] | RowKeys,
     explicit: bool,
     paged: tuple | None = None,
+    fused_norms: bool = False,
 ) -> torch.Tensor:
     """x [T, H] -> this rank's partial attention output [T, H] (all-reduce over heads follows).
 
@@ -209,7 +215,7 @@ def mla_forward(
     `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form);
     `groups` = RowKeys selects the sync-free batched path, a list of KeyGroups the per-session reference.
     """
-    q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin)
+    q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused_norms)
     kv_layer[write_slots] = latent.to(kv_layer.dtype)
     if paged is not None:
         return F.linear(attend_paged_kernel(q_nope, q_rope, w, cfg, *paged), w.o_proj)

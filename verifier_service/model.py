@@ -15,6 +15,7 @@ Three ways to run attention and routed experts, chosen per call (`attention_path
    only if all layers' dense experts fit DENSE_EXPERTS_MAX_BYTES);
 3. the torch reference (host syncs: per-session key groups, per-expert loop) — CPU by default.
 Paths 1 and 2 never read tensors back to the host, so `graph_safe` lets the runner capture CUDA graphs.
+With `use_kernels` on a GPU every RMSNorm is also one launch (kernels/rms_norm) at any shape.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class K2Model:
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # fp32 [rope/2]
         # CPU keeps the reference path by default: its outputs are compared with HF transformers.
         self.sync_free = (use_kernels and self.device.type == "cuda") if sync_free is None else sync_free
+        self.fused_norms = use_kernels and self.device.type == "cuda"  # kernels/rms_norm for every RMSNorm
         self.dense_experts = self._dense_experts() if self.sync_free else {}  # layer -> dense ExpertStack
 
     @torch.inference_mode()
@@ -120,19 +122,19 @@ class K2Model:
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
-            a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
+            a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps, self.fused_norms)
             paged = (kv_cache[i], plan) if kernel_attn else None
             attn = mla_forward(a, layer.self_attn, cfg, cos, sin, kv_layer, plan.write_slots, groups,
-                               plan.explicit_mla, paged)
+                               plan.explicit_mla, paged, self.fused_norms)
             h = h + self.all_reduce(attn)
-            b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
+            b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps, self.fused_norms)
             h = h + self._mlp(i, b, layer.mlp)
             if i in target_layer_ids:
                 captured[i] = h[hidden_rows]  # [Rh, H]
         hidden = (torch.cat([captured[i] for i in target_layer_ids], dim=-1) if target_layer_ids
                   else h.new_zeros(len(hidden_rows), 0))
         out_rows = _rows(plan.logit_rows, plan.num_rows, h.device)
-        final = rms_norm(h[out_rows], w.norm, cfg.rms_norm_eps)  # [Rl, H]
+        final = rms_norm(h[out_rows], w.norm, cfg.rms_norm_eps, self.fused_norms)  # [Rl, H]
         return ForwardOutput(logits=self.all_gather(F.linear(final, w.lm_head).float()), hidden=hidden)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
