@@ -236,6 +236,14 @@ def bench_small(copy_bw: float) -> list[dict]:
         t = gpu_time([lambda: tree_accept(tokens, parents, target)] * 20)
         t_ref = gpu_time([lambda: tree_accept_ref(tokens, parents, target)], reps=3, graph=False)
         rows.append(_row("tree_accept", f"sessions={S} nodes={N}", t, tokens.nbytes * 3, copy_bw, t_ref))
+    from kernels.rms_norm import rms_norm, rms_norm_ref
+
+    for T, D in ((1, K26["H"]), (33, K26["H"]), (33, 1536), (33, 512), (4096, K26["H"])):  # hidden, q/kv latents
+        xs = [torch.randn(T, D, device="cuda").bfloat16() for _ in range(8)]
+        w = torch.randn(D, device="cuda").bfloat16()
+        t = gpu_time([lambda x=x: rms_norm(x, w, 1e-6) for x in xs])
+        t_ref = gpu_time([lambda x=x: rms_norm_ref(x, w, 1e-6) for x in xs])  # graphed too: ~6 launches
+        rows.append(_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
     return rows
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from ddtree.internal.v1 import drafter_pb2 as dpb
 from service_kit.logs import get_logger
 from verifier_service import metrics
@@ -38,28 +40,36 @@ class DraftPlanner:
         self.config = config
         self.vocab_size = vocab_size
 
-    def _request(self, s: Session) -> DraftRequest | None:
+    def _request(self, s: Session, fresh: tuple[int, torch.Tensor] | None = None) -> DraftRequest | None:
+        """fresh: (position, rows) of feature rows kept this step and not yet in the session's ring (the
+        engine appends them after sending). A reset resends the ring's window, so it appends them first."""
         replica = self.client.route(s.id)
         if replica is None:
             return None
         if replica.address != s.drafter_replica:
             s.drafter_replica, s.needs_reset = replica.address, True
         reset = s.needs_reset or s.drafter_len < s.features.start
+        if fresh is not None and (reset or s.features.rows is None):
+            s.features.append(*fresh)
+            fresh = None
         start, rows = s.features.since(s.features.start if reset else s.drafter_len)
+        if fresh is not None:
+            rows = torch.cat([rows, fresh[1]]) if rows.shape[0] else fresh[1]
         return DraftRequest(session_id=s.id, start_position=start, features=rows, root_token=s.pending,
                             tree_budget=s.params.tree_budget, chain=s.params.mode == CHAIN, reset=reset)
 
     def draft(self, sessions: list[Session]) -> dict[str, Draft]:
         """session_id → Draft for the sessions that got one this step (others verify root-only)."""
-        wanted, requests, replica_of = self._requests(sessions)
+        wanted, requests, replica_of = self._requests(sessions, {})
         if not requests:
             return {}
         return self._fold(wanted, self.client.propose(requests, replica_of))
 
-    def send(self, sessions: list[Session]) -> InFlight | None:
+    def send(self, sessions: list[Session], fresh: dict[str, tuple[int, torch.Tensor]]) -> InFlight | None:
         """`draft` without the wait: the engine sends the next step's Propose as soon as the accepted
-        paths are known, and commits KV and streams tokens while the drafter works."""
-        wanted, requests, replica_of = self._requests(sessions)
+        paths are known, and fills feature rings, commits KV and streams tokens while the drafter works.
+        fresh: session_id → (position, rows) kept this step, not yet in its ring (see `_request`)."""
+        wanted, requests, replica_of = self._requests(sessions, fresh)
         if not requests:
             return None
         return InFlight(wanted, self.client.start(requests, replica_of))
@@ -68,9 +78,9 @@ class DraftPlanner:
         """`send`'s drafts (sessions finished since then are skipped by the caller)."""
         return self._fold(inflight.sessions, self.client.collect(inflight.futures))
 
-    def _requests(self, sessions: list[Session]):
-        wanted = [s for s in sessions if s.params.mode != AR and s.features.rows is not None]
-        requests = [r for r in map(self._request, wanted) if r is not None]
+    def _requests(self, sessions: list[Session], fresh: dict[str, tuple[int, torch.Tensor]]):
+        wanted = [s for s in sessions if s.params.mode != AR and (s.features.rows is not None or s.id in fresh)]
+        requests = [r for r in (self._request(s, fresh.get(s.id)) for s in wanted) if r is not None]
         sent = {r.session_id for r in requests}
         wanted = [s for s in wanted if s.id in sent]
         return wanted, requests, {s.id: self.client.replicas[s.drafter_replica] for s in wanted}

@@ -240,29 +240,33 @@ class Engine:
             s.stats.record(len(walk.accepted_rows) - 1, drafted)
             metrics.observe_acceptance(len(walk.accepted_rows), drafted)
             emits.append((s, walk.tokens, logprobs, 1))
-        if keep:
-            self._keep_features(keep, out.hidden, host.hidden)
+        kept = self._kept_features(keep, out.hidden, host.hidden) if keep else []
         ends = [(s, *self._settle(s, tokens), logprobs, steps) for s, tokens, logprobs, steps in emits]
-        if self.drafting:  # the drafter works on the next step while this one commits and streams
-            self.inflight = self.drafting.send([s for s, _, reason, *_ in ends if reason is None])
+        if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
+            self.inflight = self.drafting.send([s for s, _, reason, *_ in ends if reason is None],
+                                               {s.id: (position, rows) for s, position, rows in kept})
+        for s, position, rows in kept:
+            if s.features.end == position:  # not yet appended (a reset request appends first)
+                s.features.append(position, rows)
         if commits:
             self.cache.commit_many(commits)
         for s, kept, reason, stop_id, logprobs, steps in ends:
             self._publish(s, kept, reason, stop_id, logprobs, steps)
 
-    def _keep_features(self, keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> None:
-        """Append each (session, position, rows) feature rows to its ring (a host copy: feature rings
-        stay off the GPU). Without a host copy of every row: one gather of the kept rows, one read."""
+    @staticmethod
+    def _kept_features(keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> list:
+        """Each (session, position, rows) -> (session, position, its feature rows on the host): feature rings
+        stay off the GPU. Without a host copy of every row: one gather of the kept rows, one read. The rows
+        go into the rings after the next Propose is sent, which carries them (DraftPlanner.send)."""
         if on_host is None:
             index = [r for _, _, rows in keep for r in rows]
             on_host = hidden[torch.tensor(index, device=hidden.device)].cpu()
-            at = 0
-            for s, position, rows in keep:
-                s.features.append(position, on_host[at: at + len(rows)])
-                at += len(rows)
-            return
-        for s, position, rows in keep:
-            s.features.append(position, on_host[rows.start: rows.stop] if isinstance(rows, range) else on_host[rows])
+            bounds = [0]
+            for _, _, rows in keep:
+                bounds.append(bounds[-1] + len(rows))
+            return [(s, position, on_host[a:b]) for (s, position, _), a, b in zip(keep, bounds, bounds[1:])]
+        return [(s, position, on_host[rows.start: rows.stop] if isinstance(rows, range) else on_host[rows])
+                for s, position, rows in keep]
 
     def _settle(self, s: Session, tokens: list[int]):
         """A step's tokens → (kept, finish reason or None, stop id); advances the session's counters."""
