@@ -150,11 +150,20 @@ class DrafterEngine:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def warm_up(self) -> int:
-        """Capture the CUDA graphs of the common step shapes before serving; returns how many exist."""
-        if self.graphs is None:
+        """Before serving: compile and load the tree kernel (NVRTC takes ~1 s on a machine without the
+        kernel cache; inside the first Propose that blocked the event loop past the verifier's health
+        check, which then dropped this replica for a second) and capture the CUDA graphs of the common
+        step shapes; returns how many graphs exist."""
+        if self.device.type != "cuda":
             return 0
         with self._lock, self._on_device(), torch.inference_mode():
-            return self.graphs.capture_all(self.cfg.block_size)
+            if self.options.use_kernels:
+                from kernels.ddtree_build import ddtree_build
+
+                logits = torch.zeros(1, self.cfg.horizon, self.model.vocab_size, device=self.device)
+                ddtree_build(logits, min(8, self.model.vocab_size), 8)
+                torch.cuda.synchronize(self.device)
+            return 0 if self.graphs is None else self.graphs.capture_all(self.cfg.block_size)
 
     def info(self) -> DrafterInfo:
         cfg, opt = self.cfg, self.options

@@ -32,6 +32,7 @@ from service_kit.tensors import to_proto
 
 log = get_logger("verifier.drafter_client")
 DRAFTER_SERVICE = "ddtree.internal.v1.Drafter"
+PROBES_TO_DOWN = 2  # failed health checks in a row that mark a replica down
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Replica:
     health: health_pb2_grpc.HealthStub
     healthy: bool = True
     sessions: set[str] = field(default_factory=set)
+    failed_probes: int = 0  # health checks failed in a row
 
 
 def expand_targets(targets: tuple[str, ...]) -> list[str]:
@@ -192,7 +194,10 @@ class DrafterClient:
                 last_resolve = time.monotonic()
             for r in list(self.replicas.values()):
                 ok = is_serving(r.health, DRAFTER_SERVICE)
-                if ok != r.healthy:
+                r.failed_probes = 0 if ok else r.failed_probes + 1
+                # Down only after PROBES_TO_DOWN failed checks in a row: a drafter busy in one long Propose
+                # misses a check while it is fine (a failed Propose marks it down at once anyway).
+                if ok != r.healthy and (ok or r.failed_probes >= PROBES_TO_DOWN):
                     log.info("drafter_health_changed", replica=r.address, healthy=ok)
                     r.healthy = ok
 
