@@ -192,14 +192,18 @@ class DrafterClient:
             if time.monotonic() - last_resolve > self.resolve_period_s:
                 self._resolve()
                 last_resolve = time.monotonic()
-            for r in list(self.replicas.values()):
-                ok = is_serving(r.health, DRAFTER_SERVICE)
-                r.failed_probes = 0 if ok else r.failed_probes + 1
-                # Down only after PROBES_TO_DOWN failed checks in a row: a drafter busy in one long Propose
-                # misses a check while it is fine (a failed Propose marks it down at once anyway).
-                if ok != r.healthy and (ok or r.failed_probes >= PROBES_TO_DOWN):
-                    log.info("drafter_health_changed", replica=r.address, healthy=ok)
-                    r.healthy = ok
+            self.probe()
+
+    def probe(self) -> None:
+        """One health check of every replica. Down only after PROBES_TO_DOWN failed checks in a row: a
+        drafter busy in one long Propose misses a check while it is fine (a failed Propose marks it down
+        at once anyway); up again at the first good check."""
+        for r in list(self.replicas.values()):
+            ok = is_serving(r.health, DRAFTER_SERVICE)
+            r.failed_probes = 0 if ok else r.failed_probes + 1
+            if ok != r.healthy and (ok or r.failed_probes >= PROBES_TO_DOWN):
+                log.info("drafter_health_changed", replica=r.address, healthy=ok)
+                r.healthy = ok
 
     def states(self) -> list[tuple[str, str, int]]:
         return [(r.address, "healthy" if r.healthy else "down", len(r.sessions)) for r in self.replicas.values()]
