@@ -246,8 +246,8 @@ class Engine:
             self.inflight = self.drafting.send([s for s, _, reason, *_ in ends if reason is None],
                                                {s.id: (position, rows) for s, position, rows in kept})
         for s, position, rows in kept:
-            if s.features.end == position:  # not yet appended (a reset request appends first)
-                s.features.append(position, rows)
+            if s.features.end != position + rows.shape[0]:  # else a reset request appended them already
+                s.features.append(position, rows)  # raises unless the ring ends at `position`
         if commits:
             self.cache.commit_many(commits)
         for s, kept, reason, stop_id, logprobs, steps in ends:
