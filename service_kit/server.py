@@ -129,10 +129,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
     @contextlib.asynccontextmanager
-    async def _guard(self, request, context, method: str):
-        """Admission while draining, in-flight accounting, request_id in the log context, error mapping."""
+    async def _guard(self, request, context, method: str, counted: bool = True):
+        """Admission while draining, in-flight accounting (unless not `counted`), request_id in the log
+        context, error mapping."""
         await self._admit(context)
-        self.lifecycle.enter()
+        if counted:
+            self.lifecycle.enter()
         rid = getattr(request, "request_id", "") or None
         try:
             with structlog.contextvars.bound_contextvars(request_id=rid, method=method):
@@ -142,7 +144,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         except Exception as e:
             await self._fail(context, method, e)
         finally:
-            self.lifecycle.exit()
+            if counted:
+                self.lifecycle.exit()
 
     def _wrap_unary(self, behavior, method):
         async def wrapper(request, context):
@@ -158,18 +161,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     def _wrap_bidi(self, behavior, method):
-        """A long-lived stream (ProposeStream): admission and error mapping, but it is not counted in
-        flight, or a drain would wait on it to its timeout; the server's stop cancels it."""
+        """A long-lived stream (ProposeStream): not counted in flight, or a drain would wait on it to its
+        timeout; the server's stop cancels it."""
         async def wrapper(request_iterator, context):
-            await self._admit(context)
-            try:
-                with structlog.contextvars.bound_contextvars(method=method):
-                    async for response in behavior(request_iterator, context):
-                        yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as e:
-                await self._fail(context, method, e)
+            async with self._guard(None, context, method, counted=False):
+                async for response in behavior(request_iterator, context):
+                    yield response
         return wrapper
 
 
