@@ -103,6 +103,16 @@ def test_malformed_requests_get_invalid_argument(served):
     assert resp.results[0].error.field == "features" and resp.results[2].error.field == "features"
     assert len(resp.results[1].tree.tokens) == 8
     served.drafter.Release(dpb.ReleaseRequest(session_id="foundation-good"), timeout=5)
+    # The same items on one ProposeStream: per-item errors, and the stream goes on answering.
+    good_stream = item("foundation-stream", torch.randn(3, width, dtype=torch.bfloat16))
+    answers = served.drafter.ProposeStream(iter([dpb.ProposeRequest(items=[truncated, good_stream, wrong_width]),
+                                                 dpb.ProposeRequest(items=[good])]), timeout=10)
+    first, second = list(answers)
+    assert [r.WhichOneof("outcome") for r in first.results] == ["error", "tree", "error"], first
+    assert first.results[0].error.field == "features" and first.results[2].error.field == "features"
+    assert second.results[0].WhichOneof("outcome") == "tree" and len(second.results[0].tree.tokens) == 8
+    for sid in ("foundation-stream", "foundation-good"):
+        served.drafter.Release(dpb.ReleaseRequest(session_id=sid), timeout=5)
     e = _invalid(lambda: served.drafter.Release(dpb.ReleaseRequest(session_id="no-such-session"), timeout=5))
     assert "session_id" in e.details()
     assert served.drafter.GetInfo(dpb.GetDrafterInfoRequest(), timeout=5).sessions == 0
