@@ -178,12 +178,14 @@ def bench_moe(copy_bw: float) -> list[dict]:
             rows.append(_row("moe_w4a16", f"T={T} experts={used} split={split}", t, used * per_expert + 2 * x.nbytes,
                              copy_bw, t_ref))
             moe.SPLIT = None
-        if n == 1:  # the same with programmatic dependent launch (off by default: moe.PDL)
-            moe.PDL = True
-            t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
-            rows.append(_row("moe_w4a16", f"T={T} experts={used} PDL", t, used * per_expert + 2 * x.nbytes,
-                             copy_bw, t_ref))
-            moe.PDL = False
+        if n == 1:  # the same with programmatic dependent launch flipped (on by default: moe.PDL)
+            default, moe.PDL = moe.PDL, not moe.PDL
+            try:
+                t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
+            finally:
+                moe.PDL = default
+            rows.append(_row("moe_w4a16", f"T={T} experts={used} {'PDL' if not default else 'no PDL'}", t,
+                             used * per_expert + 2 * x.nbytes, copy_bw, t_ref))
     return rows
 
 

@@ -21,7 +21,8 @@
 // in fp32 (q·x is exact in the MMA; no bf16 rounding of q·scale).
 
 #define CG 4                 // scale groups (32 inputs each) per stage: 64 B of words per row
-#define STAGES 4
+#define GU_STAGES 4         // cp.async stages per warp: gate/up
+#define DN_STAGES 4         // down
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
 // Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it). wait: every
@@ -101,34 +102,34 @@ struct Stage {  // one warp's share of one pipeline stage
   u16 s[MT][16 * CG];    // bf16 scales, 16 rows x CG groups (8 B per row)
 };
 
-// One warp's K loop for one pass: acc[m][n] (16 rows x 8 tokens, fragment layout of mma_bf16) +=
-// Σ over the warp's chunks gc = slot, slot + stride, ... (nch of them) of scale · (q · x), for the
-// NV <= NT token tiles that hold real tokens (compile-time, so the chunk body has no branches).
-// Wm/Sm: the tile's first row of words / scales; xr[n]: this lane's token row of B, + 8t.
-// WAIT_X: griddepcontrol.wait between the weight prologue and the first read of B (the down GEMM's
-// weights stream in while the gate/up kernel that writes its B still runs).
-template <int MT, int NT, int NV, bool WAIT_X>
-__device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm)[MT], const u16* const (&Sm)[MT],
-                                          int KW, int KG, const u16* const (&xr)[NT], int slot, int stride, int nch,
-                                          float (&acc)[MT][NT][4]) {
-  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
-  // cp.async: lane copies 16-byte pieces (row lane/4 + 8j, group lane%4) of every matrix, j = 0, 1,
-  // and lanes 0-15 the 8 bytes of row `lane`'s scales; sources advance by `stride` chunks per issue.
+// One warp's cp.async ring over its K-slice of a 16-row tile (MT matrices): chunks gc = slot,
+// slot + stride, ... Lane copies 16-byte pieces (row lane/4 + 8j, group lane%4) of every matrix, j = 0,
+// 1, and lanes 0-15 the 8 bytes of row `lane`'s scales; sources advance by `stride` chunks per issue.
+// Split from the K loop so that a block can put its first stages in flight as soon as it knows its
+// expert, before the dependent loads (offsets, order, x) that the loop needs.
+template <int MT, int ST>
+struct WeightRing {
   const u32* wsrc[MT];
   const u16* ssrc[MT];
+  i64 wstep;
+  int wadv, sadv;
+  u32 ring_sh, st_issue, cp_w, cp_s;
+
+  __device__ __forceinline__ void init(Stage<MT>* ring, const u32* const (&Wm)[MT], const u16* const (&Sm)[MT],
+                                       int KW, int KG, int slot, int stride) {
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    wsrc[m] = Wm[m] + (i64)g * KW + (slot * CG + t) * 4;
-    ssrc[m] = Sm[m] + (i64)(lane & 15) * KG + slot * CG;
+    for (int m = 0; m < MT; ++m) {
+      wsrc[m] = Wm[m] + (i64)g * KW + (slot * CG + t) * 4;
+      ssrc[m] = Sm[m] + (i64)(lane & 15) * KG + slot * CG;
+    }
+    wstep = (i64)8 * KW;
+    wadv = stride * CG * 4, sadv = stride * CG;
+    ring_sh = st_issue = smem_addr(ring);
+    cp_w = (g * ROWW + t * 4) * 4, cp_s = 16 * ROWW * 4 * MT + (lane & 15) * CG * 2;  // byte offsets
   }
-  const i64 wstep = (i64)8 * KW;
-  const int wadv = stride * CG * 4, sadv = stride * CG;
-  const u32 ring_sh = smem_addr(ring);
-  const u32 cp_w = (g * ROWW + t * 4) * 4, cp_s = 16 * ROWW * 4 * MT + (lane & 15) * CG * 2;  // byte offsets
-  // ldmatrix: lanes 8j..8j+7 address rows 0-7 (j even) / 8-15 (j odd) of group j/2 (+2 for the 2nd).
-  const u32 lm = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROWW * 4 + (lane >> 4) * 16;
-  u32 st_issue = ring_sh;  // stage being filled, as a shared address
-  auto issue = [&]() {
+  __device__ __forceinline__ void issue() {
+    const int lane = threadIdx.x;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const u32 dst = st_issue + m * 16 * ROWW * 4 + cp_w;
@@ -139,19 +140,35 @@ __device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm
       wsrc[m] += wadv;
       ssrc[m] += sadv;
     }
-    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh
-                                                                                   : st_issue + sizeof(Stage<MT>);
-  };
+    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_issue + sizeof(Stage<MT>);
+  }
+  __device__ __forceinline__ void prologue(int nch) {  // the first ST-1 of the warp's nch chunks
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < nch) issue();
+      cp_async_commit();
+    }
+  }
+};
+
+// One warp's K loop for one pass, its ring's prologue already issued: acc[m][n] (16 rows x 8 tokens,
+// fragment layout of mma_bf16) += Σ over the warp's nch chunks of scale · (q · x), for the NV <= NT
+// token tiles that hold real tokens (compile-time, so the chunk body has no branches). xr[n]: this
+// lane's token row of B, + 8t, at the warp's first chunk; x advances `stride` chunks per chunk.
+// WAIT_X: griddepcontrol.wait before the first read of B (the down GEMM's weights stream in while the
+// gate/up kernel that writes its B still runs).
+template <int MT, int NT, int NV, bool WAIT_X, int ST>
+__device__ __forceinline__ void warp_gemm(WeightRing<MT, ST>& wring, const u16* const (&xr)[NT], int stride, int nch,
+                                          float (&acc)[MT][NT][4]) {
+  const int lane = threadIdx.x, g = lane >> 2;
+  const u32 ring_sh = wring.ring_sh;
+  // ldmatrix: lanes 8j..8j+7 address rows 0-7 (j even) / 8-15 (j odd) of group j/2 (+2 for the 2nd).
+  const u32 lm = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROWW * 4 + (lane >> 4) * 16;
   const u16* xp[NV];  // x of the next chunk to load
 #pragma unroll
-  for (int n = 0; n < NV; ++n) xp[n] = xr[n] + slot * CG * 32;
+  for (int n = 0; n < NV; ++n) xp[n] = xr[n];
   const int xadv = stride * CG * 32;
   uint4 xc[NV][CG];  // activations of chunk c, refilled with chunk c+1 right after use (one ahead)
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nch) issue();
-    cp_async_commit();
-  }
   if (WAIT_X) pdl_wait();
   if (nch > 0) {
 #pragma unroll
@@ -163,9 +180,9 @@ __device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm
   }
   u32 st_use = ring_sh;  // stage being consumed
   for (int c = 0; c < nch; ++c) {
-    cp_async_wait<STAGES - 2>();
+    cp_async_wait<ST - 2>();
     __syncwarp();
-    if (c + STAGES - 1 < nch) issue();
+    if (c + ST - 1 < nch) wring.issue();
     cp_async_commit();
     u32 wr[MT][2][4];  // [m][group pair][lo q, hi q, lo q+1, hi q+1] (lo: row g, hi: row g+8)
     uint2 sc[MT][2];   // [m][row g, g+8]: 4 bf16 scales each
@@ -177,7 +194,7 @@ __device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm
       asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][0].x), "=r"(sc[m][0].y) : "r"(sb + g * CG * 2));
       asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][1].x), "=r"(sc[m][1].y) : "r"(sb + (g + 8) * CG * 2));
     }
-    st_use = st_use + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
+    st_use = st_use + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
     const bool more = c + 1 < nch;
 #pragma unroll
     for (int q = 0; q < CG; ++q) {
@@ -219,13 +236,17 @@ __device__ __forceinline__ void warp_gemm(Stage<MT>* ring, const u32* const (&Wm
 
 // Last-arriver election: every block of a group bumps *cnt once after its global writes; the block
 // that makes it `expected` gets true and may read what the others wrote (through L2: __ldcg).
+// One thread fences (as cooperative groups' grid sync): the barrier orders the block's writes before
+// it; a fence in every thread cost the down kernel ~10% of its cycles in membar stalls (ncu, H200).
 __device__ __forceinline__ bool arrive_last(int* cnt, int expected) {
   __shared__ int last;
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(cnt, 1) == expected - 1;
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    __threadfence();
+    last = atomicAdd(cnt, 1) == expected - 1;
+    __threadfence();
+  }
   __syncthreads();
-  __threadfence();
   return last;
 }
 
@@ -260,10 +281,12 @@ __device__ __forceinline__ int pick_split(int na, int tiles, int chunks, int nw,
   return best;
 }
 
-// Cross-warp sum of one pass's accumulators; thread (n, lane) of n < ntv then calls
-// fin(n, lane, v[MT][4]) with the block's sum in the fragment layout of mma_bf16.
+// Cross-warp sum of one pass's accumulators, per group of `per` warps (group gi = warps [gi*per,
+// (gi+1)*per): one 16-row tile each), added in warp order (deterministic). Thread (gi, n, lane), n < ntv,
+// then calls fin(gi, n, lane, v[MT][4]) with its group's sums in the fragment layout of mma_bf16.
+// Requires (NW / per) * NT <= NW.
 template <int MT, int NT, typename Fin>
-__device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT][4], int ntv, Fin fin) {
+__device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT][4], int ntv, int per, Fin fin) {
   const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y, tid = warp * 32 + lane;
   __syncthreads();  // every warp is done with its ring: reuse it
   float4* red = reinterpret_cast<float4*>(smem);  // [NW][MT][NT][32]
@@ -273,16 +296,16 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
     for (int n = 0; n < NT; ++n)
       red[((warp * MT + m) * NT + n) * 32 + lane] = make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
   __syncthreads();
-  if (tid < ntv * 32) {
-    const int n = tid >> 5, l = tid & 31;
+  if (tid < NW / per * ntv * 32) {
+    const int gi = tid / (ntv * 32), n = (tid >> 5) % ntv, l = tid & 31;
     float v[MT][4] = {};
-    for (int w = 0; w < NW; ++w)
+    for (int w = gi * per; w < (gi + 1) * per; ++w)
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const float4 r = red[((w * MT + m) * NT + n) * 32 + l];
         v[m][0] += r.x, v[m][1] += r.y, v[m][2] += r.z, v[m][3] += r.w;
       }
-    fin(n, l, v);
+    fin(gi, n, l, v);
   }
   __syncthreads();  // the next pass refills the ring
 }
@@ -292,39 +315,50 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 //         z >= split (pick_split, or split_force) exit; for split > 1 they write fp32 partials to
 //         part [smax, P, 2, N] and counters[y * N/16 + x] elects the block that finishes the tile.
 // MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. Grid
-//         (N/16, min(E, P), 1). fuse: counters[x] elects the last expert's block of output tile x,
-//         which writes final_out[:, 16x..16x+15] (combine_tile); with no active expert block (x, 0) does.
+//         (N/16, min(E, P), 1). With one active expert a block's NW warps split K of tile x; with two
+//         or more (more blocks than SM slots), its warps split into two halves that each stream one of
+//         tiles 2x, 2x+1 over twice the K per warp (longer cp.async streams; blocks x >= N/32 exit):
+//         measured on an H200, 4 warps per tile are best for one expert and 2 for 3-55.
+//         fuse: counters[tile] elects the last expert's block of each output tile, which writes
+//         final_out[:, 16*tile..+15] (combine_tile); with no active expert block (x, 0) does.
 // PDL: MODE 0 waits for moe_route before its first read, then (blocks with work) lets MODE 1 be
 // scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0
 // block waited for them before triggering. Every MODE 1 block with work waits before reading act, so
 // MODE 1 completes after MODE 0 (with no active expert MODE 0 writes nothing).
-// Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
-template <int MODE, int NT>
-__global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, const u16* __restrict__ S0,
-    const u32* __restrict__ W1, const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route,
-    int P, const int* offsets, const int* order, const int* active, const int* num_active, void* out,
-    float* part, int* counters, int slots, int smax, int split_force, const i64* ids, const float* tw,
-    u16* final_out, i64 first, int E, int T, int fuse) {
-  constexpr int MT = MODE == 0 ? 2 : 1;
+// Block (32, NW), NW <= 8; dynamic smem NW*ST*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
+// OCC: blocks of 256 threads per SM for the register budget: 2 (128 registers) everywhere but the
+// one-token-tile down kernel for T > 1, which fits 64 without spills (8 blocks of 4 warps per SM;
+// H200: 8 experts 87.9 vs 90.7 us). With one expert (T = 1 decode at EP 7) 128 registers win (the
+// K loop keeps more loads in flight, and occupancy is low anyway).
+template <int MODE, int NT, int OCC>
+__global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
+    const u16* __restrict__ S0, const u32* __restrict__ W1, const u16* __restrict__ S1, const u16* __restrict__ B,
+    int K, int N, int k_route, int P, const int* offsets, const int* order, const int* active,
+    const int* num_active, void* out, float* part, int* counters, int slots, int smax, int split_force,
+    const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse) {
+  constexpr int MT = MODE == 0 ? 2 : 1, ST = MODE == 0 ? GU_STAGES : DN_STAGES;
   extern __shared__ __align__(16) unsigned char smem[];
   if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
   // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
   // is an unwritten slot of the [E] list and goes unused.
-  const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, row0 = blockIdx.x * 16;
+  const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, tiles = N / 16;
   if ((int)blockIdx.y >= na) {
-    if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0) combine_tile(nullptr, ids, tw, first, E, k_route, T, N, row0, final_out);
+    if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0)
+      combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * 16, final_out);
     return;
   }
+  const int tpb = MODE == 1 && na >= 2 && tiles % 2 == 0 && NW % 2 == 0 ? 2 : 1;  // tiles per block
+  if ((int)blockIdx.x * tpb >= tiles) return;
+  const int per = NW / tpb, row0 = (blockIdx.x * tpb + warp / per) * 16;  // warps per tile, this warp's tile
   const int KW = K / 8, KG = K / 32, chunks = KG / CG;
   const int split = MODE == 1 ? 1 : split_force > 0 ? min(split_force, smax)
-                                                    : pick_split(na, N / 16, chunks, NW, slots, smax);
+                                                    : pick_split(na, tiles, chunks, NW, slots, smax);
   if ((int)blockIdx.z >= split) return;
   if (MODE == 0) pdl_trigger();  // the down kernel may be scheduled (it waits for this grid before act)
   const int g = threadIdx.x >> 2, t = threadIdx.x & 3;
-  const int off = offsets[e], n_e = offsets[e + 1] - off;
-  // Warp slot w of split block z takes chunks w + z*NW, then every split*NW: the block's warps read
-  // adjacent 64-byte pieces of each row at about the same time (64*NW contiguous bytes per row).
-  const int slot = blockIdx.z * NW + warp, stride = split * NW;
+  // Warp slot w of split block z takes chunks w + z*per, then every split*per: a tile's warps read
+  // adjacent 64-byte pieces of each row at about the same time (64*per contiguous bytes per row).
+  const int slot = blockIdx.z * per + warp % per, stride = split * per;
   const int nch = slot < chunks ? (chunks - slot + stride - 1) / stride : 0;
   const u32* Wm[MT];
   const u16* Sm[MT];
@@ -333,24 +367,35 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
     Wm[m] = (m ? W1 : W0) + ((i64)e * N + row0) * KW;
     Sm[m] = (m ? S1 : S0) + ((i64)e * N + row0) * KG;
   }
-  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * STAGES;
+  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * ST;
+  WeightRing<MT, ST> wring;
+  // The weights depend on the expert only: their first stages go out now, and the dependent round
+  // trips for the tokens (offsets -> order -> x) overlap their DRAM latency.
+  wring.init(ring, Wm, Sm, KW, KG, slot, stride);
+  wring.prologue(nch);
+  const int off = offsets[e], n_e = offsets[e + 1] - off;
   for (int p0 = 0; p0 < n_e; p0 += 8 * NT) {
+    if (p0 > 0) {  // another pass over > 8*NT tokens streams the weights again
+      wring.init(ring, Wm, Sm, KW, KG, slot, stride);
+      wring.prologue(nch);
+    }
     const int ntv = min(NT, (n_e - p0 + 7) / 8);  // n-tiles with at least one real token (warp-uniform)
     const u16* xr[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int j = min(p0 + 8 * n + g, n_e - 1);  // clamp: padded columns compute garbage that is never stored
-      xr[n] = B + (i64)(MODE == 0 ? order[off + j] / k_route : off + j) * K + 8 * t;
+      xr[n] = B + (i64)(MODE == 0 ? order[off + j] / k_route : off + j) * K + 8 * t + slot * CG * 32;
     }
     float acc[MT][NT][4] = {};
     if (NT > 1 && ntv == 1)
-      warp_gemm<MT, NT, 1, MODE == 1>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
+      warp_gemm<MT, NT, 1, MODE == 1, ST>(wring, xr, stride, nch, acc);
     else
-      warp_gemm<MT, NT, NT, MODE == 1>(ring, Wm, Sm, KW, KG, xr, slot, stride, nch, acc);
-    block_sum<MT, NT>(smem, acc, ntv, [&](int n, int l, const float (&v)[MT][4]) {
+      warp_gemm<MT, NT, NT, MODE == 1, ST>(wring, xr, stride, nch, acc);
+    block_sum<MT, NT>(smem, acc, ntv, per, [&](int gi, int n, int l, const float (&v)[MT][4]) {
+      const int r0 = (blockIdx.x * tpb + gi) * 16;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int j = p0 + 8 * n + 2 * (l & 3) + (i & 1), row = row0 + (l >> 2) + 8 * (i >> 1);
+        const int j = p0 + 8 * n + 2 * (l & 3) + (i & 1), row = r0 + (l >> 2) + 8 * (i >> 1);
         if (j >= n_e) continue;
         if constexpr (MODE == 1) {
           reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row] = v[0][i];
@@ -365,7 +410,7 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
     });
   }
   const int tid = warp * 32 + threadIdx.x;
-  if (MODE == 0 && split > 1 && arrive_last(&counters[blockIdx.y * (N / 16) + blockIdx.x], split)) {
+  if (MODE == 0 && split > 1 && arrive_last(&counters[blockIdx.y * tiles + blockIdx.x], split)) {
     for (int idx = tid; idx < n_e * 16; idx += 32 * NW) {  // finish the tile: Σ partials in split order
       const int j = idx >> 4, row = row0 + (idx & 15);
       float gate = 0.f, up = 0.f;
@@ -376,8 +421,12 @@ __global__ void __launch_bounds__(256, 2) moe_gemm(const u32* __restrict__ W0, c
       reinterpret_cast<u16*>(out)[(i64)(off + j) * N + row] = f2bf(gate / (1.f + __expf(-gate)) * up);
     }
   }
-  if (MODE == 1 && fuse && arrive_last(&counters[blockIdx.x], na))
-    combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, row0, final_out);
+  if (MODE == 1 && fuse)
+    for (int gi = 0; gi < tpb; ++gi) {
+      const int tile = blockIdx.x * tpb + gi;
+      if (arrive_last(&counters[tile], na))
+        combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, tile * 16, final_out);
+    }
 }
 
 // out[t] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]) in slot order; tokens with no local expert get 0.

@@ -37,9 +37,13 @@ import torch
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = "moe_w4a16.cu"
-NAMES = ("moe_route", "moe_gemm<0, 1>", "moe_gemm<0, 2>", "moe_gemm<1, 1>", "moe_gemm<1, 2>", "moe_combine")
-STAGES, CHUNK = 4, 128  # must match the .cu (STAGES, 32 * CG)
-GATE_UP_WARPS, DOWN_WARPS = 8, 4  # warps splitting K in a block (gate/up: 2 blocks/SM, down: 4)
+NAMES = ("moe_route", "moe_gemm<0, 1, 2>", "moe_gemm<0, 2, 2>", "moe_gemm<1, 1, 2>", "moe_gemm<1, 1, 4>",
+         "moe_gemm<1, 2, 2>", "moe_combine")
+STAGES, CHUNK = (4, 4), 128  # gate/up, down stages and the K chunk: must match the .cu (GU_STAGES,
+# DN_STAGES, 32 * CG)
+# Warps per block, splitting K: gate/up 8 (2 blocks/SM); down 4, which the kernel splits into two
+# tiles of 2 warps when >= 2 experts are active (4 per tile is best for one expert, 2 for more).
+GATE_UP_WARPS, DOWN_WARPS = 8, 4
 SPLIT_MAX = 1  # most gate/up K-split blocks per tile (when P <= SPLIT_MAX_P). 1: off; on the H200 a
 # split of 2 or 4 measured slower at 1, 3 and 8 experts (per-block latency, not idle SMs, limits them)
 SPLIT_MAX_P = 64
@@ -74,6 +78,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         assert w.scale.dtype == torch.bfloat16 and w.scale.shape == (*shape[:2], shape[2] // 32)
         assert w.packed.is_contiguous() and w.scale.is_contiguous()
     assert H % CHUNK == 0 and I % CHUNK == 0, (H, I)
+    assert GATE_UP_WARPS >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0  # block_sum: tiles per block x NT <= warps
     out = torch.empty_like(x)
     if T * k == 0:
         return out.zero_()
@@ -96,11 +101,12 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
             (gate, up, H, I, x, act, GATE_UP_WARPS, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
-        launch(ker[f"moe_gemm<{mode}, {nt}>"], (n // 16, blocks_y, z), (32, nw),
+        occ = 4 if mode == 1 and nt == 1 and T > 1 else 2  # register budget, see the .cu
+        launch(ker[f"moe_gemm<{mode}, {nt}, {occ}>"], (n // 16, blocks_y, z), (32, nw),
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, active, active[E:],
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse),
-               smem=nw * STAGES * _stage_bytes(2 - mode), pdl=PDL)
+               smem=nw * STAGES[mode] * _stage_bytes(2 - mode), pdl=PDL)
     if not fuse:
         launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
     return out
