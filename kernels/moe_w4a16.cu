@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     const u16* __restrict__ S0, const u32* __restrict__ W1, const u16* __restrict__ S1, const u16* __restrict__ B,
     int K, int N, int k_route, int P, const int* offsets, const int* order, const int* active,
     const int* num_active, void* out, float* part, int* counters, int slots, int smax, int split_force,
-    const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse) {
+    const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse, int tpb_max) {
   constexpr int MT = MODE == 0 ? 2 : 1, ST = MODE == 0 ? GU_STAGES : DN_STAGES;
   extern __shared__ __align__(16) unsigned char smem[];
   if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
@@ -347,13 +347,17 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
       combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * 16, final_out);
     return;
   }
-  const int tpb = MODE == 1 && na >= 2 && tiles % 2 == 0 && NW % 2 == 0 ? 2 : 1;  // tiles per block
-  if ((int)blockIdx.x * tpb >= tiles) return;
-  const int per = NW / tpb, row0 = (blockIdx.x * tpb + warp / per) * 16;  // warps per tile, this warp's tile
   const int KW = K / 8, KG = K / 32, chunks = KG / CG;
   const int split = MODE == 1 ? 1 : split_force > 0 ? min(split_force, smax)
                                                     : pick_split(na, tiles, chunks, NW, slots, smax);
   if ((int)blockIdx.z >= split) return;
+  // Tiles per block: tpb_max (its warps split into tpb groups, each streaming one tile over tpb x the
+  // K per warp: longer cp.async streams) once >= 2 experts are active and blocks of tpb tiles still
+  // fill half the `slots` (H200: gate/up from 3 experts, down from 2; block_sum needs tpb * NT <= NW).
+  int tpb = na >= 2 && split == 1 && 2 * na * tiles >= slots * tpb_max ? tpb_max : 1;
+  if (tpb < 1 || tiles % tpb || NW % tpb || tpb * NT > NW) tpb = 1;
+  if ((int)blockIdx.x * tpb >= tiles) return;
+  const int per = NW / tpb, row0 = (blockIdx.x * tpb + warp / per) * 16;  // warps per tile, this warp's tile
   if (MODE == 0) pdl_trigger();  // the down kernel may be scheduled (it waits for this grid before act)
   const int g = threadIdx.x >> 2, t = threadIdx.x & 3;
   // Warp slot w of split block z takes chunks w + z*per, then every split*per: a tile's warps read
