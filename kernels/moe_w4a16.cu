@@ -21,8 +21,7 @@
 // in fp32 (q·x is exact in the MMA; no bf16 rounding of q·scale).
 
 #define CG 4                 // scale groups (32 inputs each) per stage: 64 B of words per row
-#define GU_STAGES 4         // cp.async stages per warp: gate/up
-#define DN_STAGES 4         // down
+#define STAGES 4             // cp.async stages per warp
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
 // Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it). wait: every
@@ -107,7 +106,7 @@ struct Stage {  // one warp's share of one pipeline stage
 // 1, and lanes 0-15 the 8 bytes of row `lane`'s scales; sources advance by `stride` chunks per issue.
 // Split from the K loop so that a block can put its first stages in flight as soon as it knows its
 // expert, before the dependent loads (offsets, order, x) that the loop needs.
-template <int MT, int ST>
+template <int MT>
 struct WeightRing {
   const u32* wsrc[MT];
   const u16* ssrc[MT];
@@ -140,11 +139,11 @@ struct WeightRing {
       wsrc[m] += wadv;
       ssrc[m] += sadv;
     }
-    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_issue + sizeof(Stage<MT>);
+    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh : st_issue + sizeof(Stage<MT>);
   }
-  __device__ __forceinline__ void prologue(int nch) {  // the first ST-1 of the warp's nch chunks
+  __device__ __forceinline__ void prologue(int nch) {  // the first STAGES-1 of the warp's nch chunks
 #pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
       if (s < nch) issue();
       cp_async_commit();
     }
@@ -157,8 +156,8 @@ struct WeightRing {
 // lane's token row of B, + 8t, at the warp's first chunk; x advances `stride` chunks per chunk.
 // WAIT_X: griddepcontrol.wait before the first read of B (the down GEMM's weights stream in while the
 // gate/up kernel that writes its B still runs).
-template <int MT, int NT, int NV, bool WAIT_X, int ST>
-__device__ __forceinline__ void warp_gemm(WeightRing<MT, ST>& wring, const u16* const (&xr)[NT], int stride, int nch,
+template <int MT, int NT, int NV, bool WAIT_X>
+__device__ __forceinline__ void warp_gemm(WeightRing<MT>& wring, const u16* const (&xr)[NT], int stride, int nch,
                                           float (&acc)[MT][NT][4]) {
   const int lane = threadIdx.x, g = lane >> 2;
   const u32 ring_sh = wring.ring_sh;
@@ -180,9 +179,9 @@ __device__ __forceinline__ void warp_gemm(WeightRing<MT, ST>& wring, const u16* 
   }
   u32 st_use = ring_sh;  // stage being consumed
   for (int c = 0; c < nch; ++c) {
-    cp_async_wait<ST - 2>();
+    cp_async_wait<STAGES - 2>();
     __syncwarp();
-    if (c + ST - 1 < nch) wring.issue();
+    if (c + STAGES - 1 < nch) wring.issue();
     cp_async_commit();
     u32 wr[MT][2][4];  // [m][group pair][lo q, hi q, lo q+1, hi q+1] (lo: row g, hi: row g+8)
     uint2 sc[MT][2];   // [m][row g, g+8]: 4 bf16 scales each
@@ -194,7 +193,7 @@ __device__ __forceinline__ void warp_gemm(WeightRing<MT, ST>& wring, const u16* 
       asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][0].x), "=r"(sc[m][0].y) : "r"(sb + g * CG * 2));
       asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][1].x), "=r"(sc[m][1].y) : "r"(sb + (g + 8) * CG * 2));
     }
-    st_use = st_use + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
+    st_use = st_use + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
     const bool more = c + 1 < nch;
 #pragma unroll
     for (int q = 0; q < CG; ++q) {
@@ -315,17 +314,17 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 //         z >= split (pick_split, or split_force) exit; for split > 1 they write fp32 partials to
 //         part [smax, P, 2, N] and counters[y * N/16 + x] elects the block that finishes the tile.
 // MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. Grid
-//         (N/16, min(E, P), 1). With one active expert a block's NW warps split K of tile x; with two
-//         or more (more blocks than SM slots), its warps split into two halves that each stream one of
-//         tiles 2x, 2x+1 over twice the K per warp (longer cp.async streams; blocks x >= N/32 exit):
-//         measured on an H200, 4 warps per tile are best for one expert and 2 for 3-55.
-//         fuse: counters[tile] elects the last expert's block of each output tile, which writes
+//         (N/16, min(E, P), 1). fuse: counters[tile] elects the last expert's block of each output tile, which writes
 //         final_out[:, 16*tile..+15] (combine_tile); with no active expert block (x, 0) does.
+// Both modes: block x owns tile x, its NW warps splitting K, while few experts are active; with more
+// (tpb_max > 1 and 2·na·tiles >= slots·tpb_max) it owns tiles tpb·x .. tpb·x + tpb-1, NW/tpb warps
+// each, so every warp streams tpb x the K (longer cp.async streams), and blocks x >= tiles/tpb exit.
+// H200: 4 warps per down tile are best for one expert, 2 for 2-55; gate/up gains from 3 experts.
 // PDL: MODE 0 waits for moe_route before its first read, then (blocks with work) lets MODE 1 be
 // scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0
 // block waited for them before triggering. Every MODE 1 block with work waits before reading act, so
 // MODE 1 completes after MODE 0 (with no active expert MODE 0 writes nothing).
-// Block (32, NW), NW <= 8; dynamic smem NW*ST*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
+// Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
 // OCC: blocks of 256 threads per SM for the register budget: 2 (128 registers) everywhere but the
 // one-token-tile down kernel for T > 1, which fits 64 without spills (8 blocks of 4 warps per SM;
 // H200: 8 experts 87.9 vs 90.7 us). With one expert (T = 1 decode at EP 7) 128 registers win (the
@@ -336,7 +335,7 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     int K, int N, int k_route, int P, const int* offsets, const int* order, const int* active,
     const int* num_active, void* out, float* part, int* counters, int slots, int smax, int split_force,
     const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse, int tpb_max) {
-  constexpr int MT = MODE == 0 ? 2 : 1, ST = MODE == 0 ? GU_STAGES : DN_STAGES;
+  constexpr int MT = MODE == 0 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
   // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
@@ -371,8 +370,8 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     Wm[m] = (m ? W1 : W0) + ((i64)e * N + row0) * KW;
     Sm[m] = (m ? S1 : S0) + ((i64)e * N + row0) * KG;
   }
-  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * ST;
-  WeightRing<MT, ST> wring;
+  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * STAGES;
+  WeightRing<MT> wring;
   // The weights depend on the expert only: their first stages go out now, and the dependent round
   // trips for the tokens (offsets -> order -> x) overlap their DRAM latency.
   wring.init(ring, Wm, Sm, KW, KG, slot, stride);
@@ -392,9 +391,9 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     }
     float acc[MT][NT][4] = {};
     if (NT > 1 && ntv == 1)
-      warp_gemm<MT, NT, 1, MODE == 1, ST>(wring, xr, stride, nch, acc);
+      warp_gemm<MT, NT, 1, MODE == 1>(wring, xr, stride, nch, acc);
     else
-      warp_gemm<MT, NT, NT, MODE == 1, ST>(wring, xr, stride, nch, acc);
+      warp_gemm<MT, NT, NT, MODE == 1>(wring, xr, stride, nch, acc);
     block_sum<MT, NT>(smem, acc, ntv, per, [&](int gi, int n, int l, const float (&v)[MT][4]) {
       const int r0 = (blockIdx.x * tpb + gi) * 16;
 #pragma unroll

@@ -41,8 +41,7 @@ from kernels._compile import cuda_source, get_kernels, launch
 CODE = "moe_w4a16.cu"
 NAMES = ("moe_route", "moe_gemm<0, 1, 2>", "moe_gemm<0, 2, 2>", "moe_gemm<1, 1, 2>", "moe_gemm<1, 1, 4>",
          "moe_gemm<1, 2, 2>", "moe_combine")
-STAGES, CHUNK = (4, 4), 128  # gate/up, down stages and the K chunk: must match the .cu (GU_STAGES,
-# DN_STAGES, 32 * CG)
+STAGES, CHUNK = 4, 128  # must match the .cu (STAGES, 32 * CG)
 # Warps per block, splitting K: gate/up 8 (2 blocks/SM); down 4, which the kernel splits into two
 # tiles of 2 warps when >= 2 experts are active (4 per tile is best for one expert, 2 for more).
 GATE_UP_WARPS, DOWN_WARPS = 8, 4
@@ -111,7 +110,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, active, active[E:],
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
-               smem=nw * STAGES[mode] * _stage_bytes(2 - mode), pdl=PDL)
+               smem=nw * STAGES * _stage_bytes(2 - mode), pdl=PDL)
     if not fuse:
         launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
     return out
