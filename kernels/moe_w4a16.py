@@ -52,6 +52,12 @@ SPLIT_MAX = 1  # most gate/up K-split blocks per tile (when P <= SPLIT_MAX_P). 1
 # split of 2 or 4 measured slower at 1, 3 and 8 experts (per-block latency, not idle SMs, limits them)
 SPLIT_MAX_P = 64
 SPLIT: int | None = None  # force this split (tests); None: the kernel picks from the active-expert count
+# Up to this many tokens the GEMMs take one 8-token tile per weight pass (NT = 1, lighter kernels: 64-128
+# registers without spills) and stream an expert's weights again for each further 8 of its tokens; above
+# it, two tiles (NT = 2). Tree verifies route 1-4 tokens to each local expert at EP 7, so NT = 1 wins
+# there (H200, T = 16/32/64 rows routed over 384 experts: 149/258/390 us vs 181/316/478 with NT = 2);
+# 16 tokens on each of 8 experts (T = 16) costs 171 vs 142 us.
+NT1_MAX_T = 64
 FUSE_COMBINE_T = 64  # up to this many tokens the down kernel's last block per tile does the combine
 # Programmatic dependent launch of the two GEMMs; saves 3-6 us per call at 1-8 experts (H200). Cleared
 # 2026-11-30: the full-dimension test failures once blamed on it were the bf16 torch reference's own
@@ -100,7 +106,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     first = np.int64(experts.first)
     launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, offsets, order, active, active[E:],
            counters, counters.numel(), smem=8 * E)
-    nt = 1 if T <= 8 else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
+    nt = 1 if T <= NT1_MAX_T else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
     slots = 2 * _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
