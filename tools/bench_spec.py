@@ -86,14 +86,15 @@ def run(args) -> int:
     temps = [float(t) for t in args.temperatures.split(",")]
     drafter_device = args.drafter_device or args.device
     report = {"model": str(model), "drafter": str(drafter), "device": args.device, "dtype": args.dtype,
-              "drafter_device": drafter_device,
+              "drafter_device": drafter_device, "drafter_dtype": args.drafter_dtype,
               "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
               "prompts": [{"key": p["key"], "tokens": len(p["ids"])} for p in prompts],
               "torch": torch.__version__, "rows": []}
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.in_process:
-        pair = InProcessPair(model, drafter, device=args.device, dtype=dtype)
+        pair = InProcessPair(model, drafter, device=args.device, dtype=dtypes[args.dtype],
+                             drafter_dtype=dtypes[args.drafter_dtype])
         report["block_size"] = pair.block_size
         report["rows"] += run_in_process(pair, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                          seed=args.seed, log=log)
@@ -101,7 +102,7 @@ def run(args) -> int:
     if args.e2e:
         report["rows"] += run_e2e(model, drafter, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                   seed=args.seed, device=args.device, dtype=args.dtype,
-                                  drafter_device=drafter_device, log_dir=out / "logs", log=log)
+                                  drafter_device=drafter_device, drafter_dtype=args.drafter_dtype, log_dir=out / "logs", log=log)
     estimate_rpc(report["rows"])
     report["summary"] = summary(report["rows"])
     (out / "bench_spec.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -121,7 +122,10 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter-model", default=None, help="DFlash drafter dir (default: MODEL/drafter)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                   help="default: bfloat16 on cuda, float32 on cpu")
+                   help="the target's; default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--drafter-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="default: bfloat16 on cuda, float32 on cpu. The draft never changes the output (the target "
+                        "verifies every token), so an fp32 target for exact AR comparison can keep a bf16 drafter")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-new", type=int, default=128)
@@ -143,6 +147,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _run_cmd(args) -> int:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.drafter_dtype is None:
+        args.drafter_dtype = "bfloat16" if (args.drafter_device or args.device).startswith("cuda") else "float32"
     return run(args)
 
 

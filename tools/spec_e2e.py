@@ -39,16 +39,17 @@ class Streamed(NamedTuple):
 
 def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict], *, modes: list[tuple[str, int]],
             temperatures: list[float], max_new: int, seed: int, device: str, dtype: str, log_dir: Path,
-            drafter_device: str | None = None, log=print) -> list[dict]:
+            drafter_device: str | None = None, drafter_dtype: str | None = None, log=print) -> list[dict]:
     """Three service processes on loopback; one Generate stream per prompt and mode. The drafter runs on
-    `drafter_device` (default `device`): its own GPU, as deployed, or the verifier's."""
+    `drafter_device` (default `device`): its own GPU, as deployed, or the verifier's; in `drafter_dtype`
+    (default `dtype`)."""
     import grpc
 
     from ddtree.v1 import generation_pb2_grpc as pb_grpc
 
     ports = {k: _free_port() for k in ("drafter", "verifier", "gateway", "verifier_metrics", "drafter_metrics")}
-    cmds = _service_commands(model_dir, drafter_dir, (drafter_device or device, device), dtype, ports,
-                             max([b for _, b in modes] + [16]))
+    cmds = _service_commands(model_dir, drafter_dir, (drafter_device or device, device),
+                             (drafter_dtype or dtype, dtype), ports, max([b for _, b in modes] + [16]))
     env = _service_env(device)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {}
@@ -87,18 +88,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: tuple[str, str], dtype: str,
-                      ports: dict[str, int], max_budget: int) -> dict[str, list[str]]:
-    """devices: (the drafter's, the verifier's)."""
+def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: tuple[str, str],
+                      dtypes: tuple[str, str], ports: dict[str, int], max_budget: int) -> dict[str, list[str]]:
+    """devices, dtypes: (the drafter's, the verifier's)."""
     base = [sys.executable, "-m", "service_kit.cli"]
     common = ["--host", "127.0.0.1", "--log-format", "json", "--grace-s", "1"]
     return {
         "drafter": [*base, "drafter", "--port", str(ports["drafter"]), "--model", str(drafter_dir),
-                    "--target-model", str(model_dir), "--device", devices[0], "--dtype", dtype,
+                    "--target-model", str(model_dir), "--device", devices[0], "--dtype", dtypes[0],
                     "--cache-mb", "32", "--max-tree-budget", str(max(max_budget, 64)),
                     "--metrics-port", str(ports["drafter_metrics"]), *common],
         "verifier": [*base, "verifier", "--port", str(ports["verifier"]), "--model", str(model_dir),
-                     "--device", devices[1], "--dtype", dtype, "--drafter", f"127.0.0.1:{ports['drafter']}",
+                     "--device", devices[1], "--dtype", dtypes[1], "--drafter", f"127.0.0.1:{ports['drafter']}",
                      "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
                      "--metrics-port", str(ports["verifier_metrics"]), *common],
         "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--model", str(model_dir),

@@ -78,7 +78,8 @@ class InProcessPair:
     """The target and the drafter of one checkpoint, driven step by step like the verifier's engine."""
 
     def __init__(self, model_dir: str | Path, drafter_dir: str | Path | None = None, *, device: str = "cpu",
-                 dtype: torch.dtype | None = None, kv_cache_mb: int = 64, page_size: int = 64):
+                 dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None, kv_cache_mb: int = 64,
+                 page_size: int = 64):
         from drafter_service.engine import DrafterEngine, EngineOptions
         from verifier_service.kv_cache import PagedKVCache
         from verifier_service.model import K2Model
@@ -95,7 +96,7 @@ class InProcessPair:
                                               width=self.cfg.kv_cache_width, page_size=page_size,
                                               dtype=self.dtype, device=self.device)
         drafter_dir = Path(drafter_dir) if drafter_dir else Path(model_dir) / "drafter"
-        self.drafter = DrafterEngine.load(drafter_dir, model_dir, device=self.device, dtype=self.dtype,
+        self.drafter = DrafterEngine.load(drafter_dir, model_dir, device=self.device, dtype=drafter_dtype or self.dtype,
                                           options=EngineOptions(cache_bytes=32 << 20, window=4096,
                                                                 max_tree_budget=1024))
         info = self.drafter.info()
