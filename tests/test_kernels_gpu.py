@@ -326,7 +326,7 @@ def test_moe_and_mla_replay_in_cuda_graph():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, rope", [((1, 64), False), ((3, 96), False), ((17, 384), False), ((63, 7168), False),
-                                         ((2, 8, 1536), False), ((1, 1, 64), True), ((3, 6, 64), True),
+                                         ((2, 8, 1536), False), ((5, 100), False), ((2, 40000), False), ((1, 1, 64), True), ((3, 6, 64), True),
                                          ((17, 2, 128), True), ((4, 8, 6, 64), True), ((3, 2, 96), True)])
 def test_rms_norm(shape, rope, dtype):
     g = torch.Generator("cuda").manual_seed(len(shape) * 100 + shape[-1])
@@ -346,6 +346,19 @@ def test_rms_norm(shape, rope, dtype):
         assert err <= 2**-7 * scale, (err, scale)
         assert float((got == want).float().mean()) >= 0.95
     assert not got.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_unaligned_rows(dtype):
+    """A contiguous view that starts 2 or 4 bytes into its storage cannot take the 16-byte path (it takes
+    the scalar loop): still the reference's result, within test_rms_norm's tolerances."""
+    base = torch.randn(17 * 7168 + 1, device="cuda").to(dtype)
+    x = base[1:].view(17, 7168)
+    w = torch.randn(7168, device="cuda").to(dtype)
+    assert x.data_ptr() % 16 != 0
+    got, want = rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    err, scale = float((got.float() - want.float()).abs().max()), float(want.float().abs().max())
+    assert err <= (1e-5 if dtype == torch.float32 else 2**-7) * scale, (err, scale)
 
 
 def test_rms_norm_row_does_not_depend_on_its_batch():

@@ -58,12 +58,20 @@ def mlp(x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
 
 
-def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
+          use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (topk_ids int64 [T, k] global expert ids, topk_weights fp32 [T, k]).
 
     sigmoid scores in fp32; bias added for choosing only; group-limited top-k (group score = sum of
     the group's top-2 biased scores); weights = unbiased scores renormalized × routed_scaling_factor.
+    use_kernel: kernels/moe_route (two launches instead of ~12) where it applies: a GPU, one group (Kimi).
     """
+    if use_kernel and cfg.n_group <= 1:
+        from kernels import moe_route
+
+        if moe_route.fits(x, w.gate, cfg.num_experts_per_tok):
+            return moe_route.moe_route(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
+                                       cfg.routed_scaling_factor, cfg.norm_topk_prob)
     scores = F.linear(x.float(), w.gate).sigmoid()  # [T, E]
     choice = scores + w.e_score_correction_bias  # [T, E]
     if cfg.n_group > 1:
@@ -161,7 +169,7 @@ def moe_forward(
     Routed experts: the INT4 kernel (`use_kernel` and `kernel_fits`) > the sync-free every-expert path
     (`dense` = this layer's `dense_stack`, given by the model when that path is on, and `dense_fits`) >
     the reference loop (one host sync per call: bincount().tolist())."""
-    topk_ids, topk_weights = route(x, w, cfg)
+    topk_ids, topk_weights = route(x, w, cfg, use_kernel)
     if on_experts is not None:
         on_experts(topk_ids)
     if use_kernel and kernel_fits(x, w.experts):
