@@ -246,15 +246,15 @@ def bench_small(copy_bw: float) -> list[dict]:
         t = gpu_time([lambda x=x: rms_norm(x, w, 1e-6) for x in xs])
         t_ref = gpu_time([lambda x=x: rms_norm_ref(x, w, 1e-6) for x in xs])  # graphed too: ~6 launches
         rows.append(_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
-    from kernels.moe_route import moe_route, moe_route_ref
+    from kernels.moe_gate import moe_gate, moe_gate_ref
 
     gate = torch.randn(K26["E"], K26["H"], device="cuda") * K26["H"] ** -0.5  # fp32, as K2.6 keeps it
     bias = torch.randn(K26["E"], device="cuda") * 0.1
     for T in (1, 16, 64):
         xs = [torch.randn(T, K26["H"], device="cuda").bfloat16() for _ in range(8)]
-        t = gpu_time([lambda x=x: moe_route(x, gate, bias, 8, 2.827) for x in xs])
-        t_ref = gpu_time([lambda x=x: moe_route_ref(x, gate, bias, 8, 2.827) for x in xs])
-        rows.append(_row("moe_route", f"rows={T} experts={K26['E']}", t, gate.nbytes + T * K26["H"] * 2, copy_bw,
+        t = gpu_time([lambda x=x: moe_gate(x, gate, bias, 8, 2.827) for x in xs])
+        t_ref = gpu_time([lambda x=x: moe_gate_ref(x, gate, bias, 8, 2.827) for x in xs])
+        rows.append(_row("moe_gate", f"rows={T} experts={K26['E']}", t, gate.nbytes + T * K26["H"] * 2, copy_bw,
                          t_ref))
     return rows
 

@@ -64,13 +64,13 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
 
     sigmoid scores in fp32; bias added for choosing only; group-limited top-k (group score = sum of
     the group's top-2 biased scores); weights = unbiased scores renormalized × routed_scaling_factor.
-    use_kernel: kernels/moe_route (two launches instead of ~12) where it applies: a GPU, one group (Kimi).
+    use_kernel: kernels/moe_gate (two launches instead of ~12) where it applies: a GPU, one group (Kimi).
     """
     if use_kernel and cfg.n_group <= 1:
-        from kernels import moe_route
+        from kernels import moe_gate
 
-        if moe_route.fits(x, w.gate, cfg.num_experts_per_tok):
-            return moe_route.moe_route(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
+        if moe_gate.fits(x, w.gate, cfg.num_experts_per_tok):
+            return moe_gate.moe_gate(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
                                        cfg.routed_scaling_factor, cfg.norm_topk_prob)
     scores = F.linear(x.float(), w.gate).sigmoid()  # [T, E]
     choice = scores + w.e_score_correction_bias  # [T, E]

@@ -1,9 +1,9 @@
-"""GPU: kernels/moe_route against a float64 brute force of the same routing (and moe_route_ref)."""
+"""GPU: kernels/moe_gate against a float64 brute force of the same routing (and moe_gate_ref)."""
 
 import pytest
 import torch
 
-from kernels.moe_route import fits, moe_route, moe_route_ref
+from kernels.moe_gate import fits, moe_gate, moe_gate_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -38,43 +38,43 @@ def brute_force(x, gate, bias, k: int, renormalize: bool):
 @pytest.mark.parametrize("T, E, H, k", [(1, 384, 7168, 8), (3, 384, 7168, 8), (17, 384, 7168, 8), (63, 384, 7168, 8),
                                         (100, 384, 7168, 8), (17, 16, 384, 4), (5, 72, 1028, 3), (33, 512, 8192, 32)])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_route_matches_brute_force(T, E, H, k, dtype, renormalize):
+def test_moe_gate_matches_brute_force(T, E, H, k, dtype, renormalize):
     x, gate, bias = router(T, E, H, dtype, seed=T * 1000 + E + k)
     assert fits(x, gate, k)
-    ids, weights = moe_route(x, gate, bias, k, SCALE, renormalize)
+    ids, weights = moe_gate(x, gate, bias, k, SCALE, renormalize)
     want_ids, want_w, sorted_choice = brute_force(x, gate, bias, k, renormalize)
     # Rows whose k-th and (k+1)-th biased scores lie within fp32 rounding of each other may pick either.
     clear = (sorted_choice[:, k - 1] - sorted_choice[:, k]) > 1e-5
     assert clear.float().mean() >= 0.9
     assert torch.equal(ids[clear], want_ids[clear])  # the same experts, best first
     torch.testing.assert_close(weights[clear].double(), want_w[clear], rtol=1e-5, atol=1e-6)
-    ref_ids, ref_w = moe_route_ref(x, gate, bias, k, SCALE, renormalize)
+    ref_ids, ref_w = moe_gate_ref(x, gate, bias, k, SCALE, renormalize)
     assert torch.equal(ref_ids[clear], ids[clear])
     torch.testing.assert_close(weights[clear], ref_w[clear], rtol=1e-5, atol=1e-6)
 
 
-def test_moe_route_row_does_not_depend_on_its_batch():
+def test_moe_gate_row_does_not_depend_on_its_batch():
     """A row routed alone gets bit for bit the ids and weights it gets inside a batch of 33 (a tree row and
     the AR row of the same token pick the same experts with the same weights)."""
     x, gate, bias = router(33, 384, 7168, torch.bfloat16, seed=7)
-    ids, weights = moe_route(x, gate, bias, 8, SCALE)
+    ids, weights = moe_gate(x, gate, bias, 8, SCALE)
     for r in (0, 5, 16, 32):
-        one_ids, one_w = moe_route(x[r: r + 1].contiguous(), gate, bias, 8, SCALE)
+        one_ids, one_w = moe_gate(x[r: r + 1].contiguous(), gate, bias, 8, SCALE)
         assert torch.equal(one_ids[0], ids[r]) and torch.equal(one_w[0], weights[r])
 
 
-def test_moe_route_ties_pick_the_lower_expert():
+def test_moe_gate_ties_pick_the_lower_expert():
     """Equal biased scores: the lower expert id first (a zero router makes every score 0.5)."""
     x = torch.randn(4, 256, device="cuda").bfloat16()
     gate = torch.zeros(64, 256, device="cuda")
     bias = torch.zeros(64, device="cuda")
     bias[[9, 40]] = 1.0
-    ids, weights = moe_route(x, gate, bias, 6, 1.0)
+    ids, weights = moe_gate(x, gate, bias, 6, 1.0)
     assert ids.tolist() == [[9, 40, 0, 1, 2, 3]] * 4
     torch.testing.assert_close(weights, torch.full((4, 6), 1 / 6, device="cuda"))
 
 
-def test_moe_route_empty_batch():
+def test_moe_gate_empty_batch():
     x, gate, bias = router(0, 384, 7168, torch.bfloat16, seed=1)
-    ids, weights = moe_route(x, gate, bias, 8, SCALE)
+    ids, weights = moe_gate(x, gate, bias, 8, SCALE)
     assert ids.shape == (0, 8) and weights.shape == (0, 8)

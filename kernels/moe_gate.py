@@ -1,6 +1,6 @@
 """MoE router in two launches: fp32 logits + sigmoid, then the biased top-k and the normalized weights.
 
-    moe_route(x, gate, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)
+    moe_gate(x, gate, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)
 
 x            [T, H] contiguous, bf16 or fp32; H % 4 == 0 and H <= 4·256·MAX_CHUNKS (8192)
 gate         [E, H] fp32 router weight, contiguous; E <= 32·MAX_PER_LANE (512)
@@ -41,7 +41,7 @@ template <> struct in4<u16> {
 // ROWS·y ..; 256 threads. Thread t keeps float4 chunks t, t + 256, ... (at most MAXC) of its experts' gate
 // rows in registers and walks its rows R at a time.
 template <typename T, int EPB, int MAXC, int R, int ROWS>
-__global__ void __launch_bounds__(256) route_logits(const T* __restrict__ x, const float* __restrict__ gate,
+__global__ void __launch_bounds__(256) gate_logits(const T* __restrict__ x, const float* __restrict__ gate,
                                                     float* __restrict__ scores, int Tn, int H, int E) {
   __shared__ float part[8][R * EPB];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nc = H / 4;
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(256) route_logits(const T* __restrict__ x, con
 
 // One warp per row: K rounds of a warp argmax over s + bias (ties: lower expert id), then the weights.
 template <int MAXPL>
-__global__ void route_select(const float* __restrict__ scores, const float* __restrict__ bias, int Tn, int E,
+__global__ void gate_select(const float* __restrict__ scores, const float* __restrict__ bias, int Tn, int E,
                              int K, float scale, int renormalize, i64* __restrict__ ids,
                              float* __restrict__ weights) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -140,20 +140,20 @@ MAX_CHUNKS = 8  # float4 gate chunks per thread: H <= 8192
 ROW_TILE = 8  # rows per pass of a block (accumulators: ROW_TILE · EXPERTS_PER_BLOCK per thread)
 ROWS_PER_BLOCK = 16  # more rows: more blocks (each re-reads its gate rows, from L2)
 MAX_PER_LANE = 16  # E <= 512
-_LOGITS = {dt: f"route_logits<{t}, {EXPERTS_PER_BLOCK}, {MAX_CHUNKS}, {ROW_TILE}, {ROWS_PER_BLOCK}>"
+_LOGITS = {dt: f"gate_logits<{t}, {EXPERTS_PER_BLOCK}, {MAX_CHUNKS}, {ROW_TILE}, {ROWS_PER_BLOCK}>"
            for dt, t in ((torch.float32, "float"), (torch.bfloat16, "u16"))}
-_SELECT = f"route_select<{MAX_PER_LANE}>"
+_SELECT = f"gate_select<{MAX_PER_LANE}>"
 NAMES = (*_LOGITS.values(), _SELECT)
 
 
 def fits(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
-    """Shapes and dtypes the kernels take (others: moe_route_ref)."""
+    """Shapes and dtypes the kernels take (others: moe_gate_ref)."""
     E, H = gate.shape
     return (x.is_cuda and x.dtype in _LOGITS and gate.dtype == torch.float32 and H % 4 == 0
             and H <= 4 * 256 * MAX_CHUNKS and E <= 32 * MAX_PER_LANE and 1 <= top_k <= min(E, 32))
 
 
-def moe_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
+def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
               renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     T, H = x.shape
     E = gate.shape[0]
@@ -172,7 +172,7 @@ def moe_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: in
     return ids, weights
 
 
-def moe_route_ref(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
+def moe_gate_ref(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
                   renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.nn.functional.linear(x.float(), gate).sigmoid()  # [T, E]
     ids = (scores + bias).topk(top_k, dim=-1).indices  # [T, k]
