@@ -174,10 +174,12 @@ def bench_moe(copy_bw: float) -> list[dict]:
         rows.append(row)
         for split in ((1, 2, 4) if active <= 8 and n <= 4 else ()):  # forced gate/up K split (auto above)
             moe.SPLIT = split
-            t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
+            try:
+                t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
+            finally:  # the rows after it (and the PDL row) run the automatic split
+                moe.SPLIT = None
             rows.append(_row("moe_w4a16", f"T={T} experts={used} split={split}", t, used * per_expert + 2 * x.nbytes,
                              copy_bw, t_ref))
-            moe.SPLIT = None
         if n == 1:  # the same with programmatic dependent launch flipped (on by default: moe.PDL)
             default, moe.PDL = moe.PDL, not moe.PDL
             try:
