@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ("moe_w4a16", "moe_gate", "mla_tree_attention", "ddtree_build", "tree_accept", "kv_commit", "rms_norm")
+MODULES = ("moe_w4a16", "moe_gate", "mla_tree_attention", "mla_rope", "ddtree_build", "tree_accept", "kv_commit",
+           "rms_norm")
 
 
 def check(archs: list[str]) -> int:

@@ -196,6 +196,23 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
 
 
+def mla_project_cached(
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_project` + the cache write through kernels (norms, then RoPE and the latent rows in one launch):
+    x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope]; latent rows land at kv_layer[write_slots]."""
+    from kernels.mla_rope import mla_rope
+
+    heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
+    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS, True)  # [T, q_lora]
+    q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
+    kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
+    c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, True)  # [T, kv_lora]
+    q_rope = mla_rope(q, kv, c, cos.contiguous(), sin.contiguous(), kv_layer, write_slots.contiguous())
+    return q[..., : cfg.qk_nope_head_dim], q_rope
+
+
 def mla_forward(
     x: torch.Tensor,
     w: MLAWeights,
@@ -207,16 +224,20 @@ def mla_forward(
     groups: Sequence[KeyGroup] | RowKeys,
     explicit: bool,
     paged: tuple | None = None,
-    fused_norms: bool = False,
+    fused: bool = False,
 ) -> torch.Tensor:
     """x [T, H] -> this rank's partial attention output [T, H] (all-reduce over heads follows).
 
     kv_layer [num_slots, 576] is one layer's cache viewed flat; rows are written before attention reads.
     `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form);
     `groups` = RowKeys selects the sync-free batched path, a list of KeyGroups the per-session reference.
+    `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA).
     """
-    q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused_norms)
-    kv_layer[write_slots] = latent.to(kv_layer.dtype)
+    if fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous():
+        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots)
+    else:
+        q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
+        kv_layer[write_slots] = latent.to(kv_layer.dtype)
     if paged is not None:
         return F.linear(attend_paged_kernel(q_nope, q_rope, w, cfg, *paged), w.o_proj)
     if isinstance(groups, RowKeys):

@@ -1,0 +1,91 @@
+"""MLA's RoPE and latent cache write in one launch (instead of ~20: two interleaved rotations of ~8 ops
+each, a concatenation, a cast and an indexed write).
+
+    mla_rope(q, kv, c, cos, sin, cache, slots) -> q_rope
+
+q      [T, h, D] contiguous: per head [nope | rope]; its last R = rope dims are rotated into q_rope
+kv     [T, C + R] contiguous: the kv_a projection [latent | k_rope]; its k_rope part is rotated
+c      [T, C] contiguous: the normed latent (kv_a_layernorm of kv[:, :C])
+cos    [T, R/2] fp32 contiguous (sin the same): one angle per interleaved pair, amplitude folded in
+cache  [S, C + R] one layer's latent cache viewed flat, q's dtype: row slots[t] <- [c[t] | rope(k_rope[t])]
+slots  int64 [T]
+q_rope [T, h, R] (new tensor, q's dtype)
+
+Rotation of pair (e, o) = (x[2i], x[2i+1]): (e·cos - o·sin, e·sin + o·cos), each product and sum rounded
+to fp32 on its own as torch's elementwise ops do (no FMA contraction), then once to q's dtype: the result
+equals verifier_service.rope.apply_rope bit for bit. fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._compile import cuda_source, get_kernels, launch
+
+CODE = r"""
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ float ld(const u16* p) { return bf2f(*p); }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(u16* p, float v) { *p = f2bf(v); }
+
+template <typename T>
+__device__ __forceinline__ void rotate(const T* x, T* out, float c, float s) {
+  const float e = ld(x), o = ld(x + 1);
+  st(out, __fsub_rn(__fmul_rn(e, c), __fmul_rn(o, s)));
+  st(out + 1, __fadd_rn(__fmul_rn(e, s), __fmul_rn(o, c)));
+}
+
+// One block per row t: the cache row [c | rope(k_rope)] and the h·R/2 pairs of q's rope parts.
+template <typename T>
+__global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, const T* __restrict__ c,
+                         const float* __restrict__ cos, const float* __restrict__ sin, T* __restrict__ cache,
+                         const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R) {
+  const int t = blockIdx.x, half = R / 2;
+  const float* ct = cos + (i64)t * half;
+  const float* sn = sin + (i64)t * half;
+  T* row = cache + slots[t] * (C + R);
+  for (int i = threadIdx.x; i < C; i += blockDim.x) row[i] = c[(i64)t * C + i];
+  for (int i = threadIdx.x; i < half; i += blockDim.x)
+    rotate(kv + (i64)t * (C + R) + C + 2 * i, row + C + 2 * i, ct[i], sn[i]);
+  for (int j = threadIdx.x; j < h * half; j += blockDim.x) {
+    const int head = j / half, i = j % half;
+    const i64 qh = (i64)t * h + head;
+    rotate(q + qh * D + (D - R) + 2 * i, q_rope + qh * R + 2 * i, ct[i], sn[i]);
+  }
+}
+"""
+_TYPE = {torch.float32: "float", torch.bfloat16: "u16"}
+NAMES = tuple(f"mla_rope<{t}>" for t in _TYPE.values())
+
+
+def fits(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in _TYPE and cache.dtype == q.dtype
+
+
+def mla_rope(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    T, h, D = q.shape
+    C, R = c.shape[1], 2 * cos.shape[1]
+    assert fits(q, cache) and kv.dtype == c.dtype == q.dtype, (q.dtype, kv.dtype, c.dtype, cache.dtype)
+    assert kv.shape == (T, C + R) and c.shape == (T, C) and cache.shape[1] == C + R and R <= D, (kv.shape, c.shape)
+    assert cos.shape == sin.shape == (T, R // 2) and cos.dtype == sin.dtype == torch.float32, (cos.shape, cos.dtype)
+    assert slots.shape == (T,) and slots.dtype == torch.int64
+    for x in (q, kv, c, cos, sin, cache, slots):
+        assert x.is_contiguous()
+    q_rope = torch.empty(T, h, R, dtype=q.dtype, device=q.device)
+    if T:
+        ker = get_kernels(cuda_source(CODE), NAMES)[f"mla_rope<{_TYPE[q.dtype]}>"]
+        launch(ker, T, 128, q, kv, c, cos, sin, cache, slots, q_rope, h, D, C, R)
+    return q_rope
+
+
+def mla_rope_ref(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    R = 2 * cos.shape[1]
+
+    def rotate(x: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor) -> torch.Tensor:  # interleaved pairs, fp32
+        e, o = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((e * cs - o * sn, e * sn + o * cs), dim=-1).flatten(-2).to(x.dtype)
+
+    cache[slots] = torch.cat([c, rotate(kv[:, -R:], cos, sin)], dim=-1).to(cache.dtype)
+    return rotate(q[..., -R:], cos[:, None, :], sin[:, None, :])
