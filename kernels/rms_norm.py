@@ -40,6 +40,21 @@ template <> struct io<u16> {  // bf16 as raw bits
   static __device__ __forceinline__ float round(float v) { return bf2f(f2bf(v)); }
 };
 
+// 1 / sqrt(mean of squares + eps) of a block's row from each thread's partial sum of squares: a warp
+// shuffle tree, then the warps in order (a fixed order: the result does not depend on the row count).
+__device__ __forceinline__ float inv_rms(float ss, float* part, int D, float eps) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+#pragma unroll
+  for (int m = 16; m; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  if (nt > 32) {
+    if ((tid & 31) == 0) part[tid >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+    for (int k = 0; k < nt / 32; ++k) ss += part[k];
+  }
+  return rsqrtf(ss / (float)D + eps);
+}
+
 // One block of 32·W threads per row of D elements (W warps: more for wide rows, so a 7168-wide row is
 // not one warp's serial walk). The row's sum of squares is reduced in a fixed order (per thread, per
 // warp, then warps in order) that does not depend on N: a row's result never depends on its batch.
@@ -56,15 +71,7 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
     const float v = io<T>::ld(xr + i);
     ss += v * v;
   }
-#pragma unroll
-  for (int m = 16; m; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-  if (nt > 32) {
-    if ((tid & 31) == 0) part[tid >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
-    for (int k = 0; k < nt / 32; ++k) ss += part[k];
-  }
-  const float inv = rsqrtf(ss / (float)D + eps);
+  const float inv = inv_rms(ss, part, D, eps);
   if (cos == nullptr) {
     for (int i = tid; i < D; i += nt) io<T>::st(o + i, io<T>::ld(w + i) * io<T>::round(io<T>::ld(xr + i) * inv));
     return;
@@ -112,15 +119,7 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ w, T
       }
     }
   }
-#pragma unroll
-  for (int m = 16; m; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-  if (nt > 32) {
-    if ((tid & 31) == 0) part[tid >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
-    for (int k = 0; k < nt / 32; ++k) ss += part[k];
-  }
-  const float inv = rsqrtf(ss / (float)D + eps);
+  const float inv = inv_rms(ss, part, D, eps);
 #pragma unroll
   for (int k = 0; k < MAXV; ++k) {
     if (tid + k * nt < nv) {
