@@ -11,15 +11,18 @@ from drafter_service.tree import build_tree, topk_logprobs
 from kernels.bench import mla_case, random_experts, spread_routing
 from kernels.ddtree_build import ddtree_topk_ref, ddtree_tree_ref
 from kernels.kv_commit import kv_commit_ref
+from kernels.mla_rope import mla_rope_ref
 from kernels.mla_tree_attention import mla_tree_attention_ref
+from kernels.moe_gate import moe_gate_ref
 from kernels.moe_w4a16 import moe_w4a16_ref
 from kernels.tree_accept import tree_accept_ref
 from verifier_service.acceptance import walk_tree
 from verifier_service.int4 import Int4Weight
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.mla import MLAWeights, attend_absorbed
-from verifier_service.moe import ExpertStack, moe_experts_ref
+from verifier_service.moe import ExpertStack, moe_experts_ref, route
 from verifier_service.plan import SeqRows, build_plan, key_groups
+from verifier_service.rope import apply_rope
 
 
 def test_moe_ref_matches_model_reference():
@@ -97,3 +100,31 @@ def test_ddtree_refs_match_drafter_tree():
             n = int(count[s])
             assert n == len(tree) and tokens[s, :n].tolist() == tree.tokens.tolist()
             assert parents[s, :n].tolist() == tree.parents.tolist() and depths[s, :n].tolist() == tree.depths.tolist()
+
+
+def test_moe_gate_ref_matches_model_route():
+    """kernels/moe_gate's reference routes as verifier_service.moe.route does for one expert group."""
+    E, H, k = 24, 64, 4
+    cfg = types.SimpleNamespace(n_group=1, topk_group=1, num_experts_per_tok=k, norm_topk_prob=True,
+                                routed_scaling_factor=2.827)
+    g = torch.Generator().manual_seed(3)
+    w = types.SimpleNamespace(gate=torch.randn(E, H, generator=g), e_score_correction_bias=torch.randn(E, generator=g))
+    x = torch.randn(9, H, generator=g).bfloat16()
+    want_ids, want_w = route(x, w, cfg)
+    ids, weights = moe_gate_ref(x, w.gate, w.e_score_correction_bias, k, 2.827)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+
+
+def test_mla_rope_ref_matches_apply_rope():
+    """kernels/mla_rope's reference rotates q's rope part and writes [c | rope(k_rope)] rows as the model's
+    mla_project + cache write do."""
+    T, h, nope, R, C = 5, 3, 8, 4, 6
+    g = torch.Generator().manual_seed(5)
+    q, kv = torch.randn(T, h, nope + R, generator=g), torch.randn(T, C + R, generator=g)
+    c = torch.randn(T, C, generator=g)
+    angles = torch.rand(T, R // 2, generator=g) * 50
+    cache, slots = torch.zeros(12, C + R), torch.tensor([7, 0, 3, 11, 5])
+    q_rope = mla_rope_ref(q, kv, c, angles.cos(), angles.sin(), cache, slots)
+    assert torch.equal(q_rope, apply_rope(q[..., nope:], angles.cos()[:, None], angles.sin()[:, None]))
+    assert torch.equal(cache[slots], torch.cat([c, apply_rope(kv[:, C:], angles.cos(), angles.sin())], dim=-1))
+    assert cache[[1, 2, 4, 6, 8, 9, 10]].eq(0).all()

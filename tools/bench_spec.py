@@ -102,7 +102,8 @@ def run(args) -> int:
     if args.e2e:
         report["rows"] += run_e2e(model, drafter, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                   seed=args.seed, device=args.device, dtype=args.dtype,
-                                  drafter_device=drafter_device, drafter_dtype=args.drafter_dtype, log_dir=out / "logs", log=log)
+                                  drafter_device=drafter_device, drafter_dtype=args.drafter_dtype,
+                                  log_dir=out / "logs", log=log)
     estimate_rpc(report["rows"])
     report["summary"] = summary(report["rows"])
     (out / "bench_spec.json").write_text(json.dumps(report, indent=2) + "\n")
