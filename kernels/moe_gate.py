@@ -149,8 +149,8 @@ NAMES = (*_LOGITS.values(), _SELECT)
 def fits(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
     """Shapes and dtypes the kernels take (others: moe_gate_ref)."""
     E, H = gate.shape
-    return (x.is_cuda and x.dtype in _LOGITS and gate.dtype == torch.float32 and H % 4 == 0
-            and H <= 4 * 256 * MAX_CHUNKS and E <= 32 * MAX_PER_LANE and 1 <= top_k <= min(E, 32))
+    return (x.is_cuda and x.dtype in _LOGITS and gate.dtype == torch.float32 and gate.is_contiguous()
+            and H % 4 == 0 and H <= 4 * 256 * MAX_CHUNKS and E <= 32 * MAX_PER_LANE and 1 <= top_k <= min(E, 32))
 
 
 def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,

@@ -71,7 +71,7 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
 
         if moe_gate.fits(x, w.gate, cfg.num_experts_per_tok):
             return moe_gate.moe_gate(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
-                                       cfg.routed_scaling_factor, cfg.norm_topk_prob)
+                                     cfg.routed_scaling_factor, cfg.norm_topk_prob)
     scores = F.linear(x.float(), w.gate).sigmoid()  # [T, E]
     choice = scores + w.e_score_correction_bias  # [T, E]
     if cfg.n_group > 1:
