@@ -63,6 +63,21 @@ def test_cli_parses_and_runs(tiny, tmp_path, monkeypatch):
     assert (tmp_path / "bench_spec.png").exists()
 
 
+@pytest.mark.parametrize("flags, dtypes", [(["--device", "cpu"], ("float32", "float32")),
+                                           (["--device", "cuda"], ("bfloat16", "bfloat16")),
+                                           (["--device", "cuda", "--dtype", "float32"], ("float32", "bfloat16")),
+                                           (["--device", "cuda", "--drafter-device", "cpu"], ("bfloat16", "float32")),
+                                           (["--device", "cuda", "--drafter-dtype", "float32"], ("bfloat16", "float32"))])
+def test_cli_dtype_defaults(flags, dtypes, monkeypatch):
+    """The target's and the drafter's dtypes: bf16 on CUDA, fp32 on CPU, each on its own device."""
+    from service_kit.cli import build_parser
+
+    seen = []
+    monkeypatch.setattr(bench_spec, "run", lambda a: seen.append((a.dtype, a.drafter_dtype)) or 0)
+    args = build_parser(["bench"]).parse_args(["bench", "spec", *flags])
+    assert args.func(args) == 0 and seen == [dtypes]
+
+
 SHIPPED = bench_spec.Path(__file__).resolve().parents[1] / "models" / "kimi-tiny"
 
 
