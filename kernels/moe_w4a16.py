@@ -22,9 +22,9 @@ and down use programmatic dependent launch (sm_90+): each becomes resident while
 gate/up waits for moe_route at its start, down streams its first weight stages before it waits for act.
 Once enough experts are active, a block streams two 16-row tiles (GATE_UP_TPB, DOWN_TPB), half its warps
 on each, so every warp's cp.async stream runs twice as long; the kernel decides from the active count.
-Optionally (SPLIT_MAX > 1, off by default: slower on the H200) the gate/up K is split over blocks for few active
-experts, decided on the device from the active count since the host never syncs: fp32 partials, the
-last block per tile sums them in a fixed order, so results are deterministic. Graph-safe: no host
+Optionally (SPLIT_MAX > 1, off by default: slower on the H200) the gate/up K is split over blocks for
+few active experts, decided on the device from the active count since the host never syncs: fp32
+partials, the last block per tile sums them in a fixed order, so results are deterministic. Graph-safe: no host
 sync; workspace comes from torch's caching allocator; the arrival counters are zeroed by moe_route in
 the same call.
 """

@@ -63,11 +63,14 @@ def test_cli_parses_and_runs(tiny, tmp_path, monkeypatch):
     assert (tmp_path / "bench_spec.png").exists()
 
 
+CUDA = ["--device", "cuda"]
+
+
 @pytest.mark.parametrize("flags, dtypes", [(["--device", "cpu"], ("float32", "float32")),
-                                           (["--device", "cuda"], ("bfloat16", "bfloat16")),
-                                           (["--device", "cuda", "--dtype", "float32"], ("float32", "bfloat16")),
-                                           (["--device", "cuda", "--drafter-device", "cpu"], ("bfloat16", "float32")),
-                                           (["--device", "cuda", "--drafter-dtype", "float32"], ("bfloat16", "float32"))])
+                                           (CUDA, ("bfloat16", "bfloat16")),
+                                           ([*CUDA, "--dtype", "float32"], ("float32", "bfloat16")),
+                                           ([*CUDA, "--drafter-device", "cpu"], ("bfloat16", "float32")),
+                                           ([*CUDA, "--drafter-dtype", "float32"], ("bfloat16", "float32"))])
 def test_cli_dtype_defaults(flags, dtypes, monkeypatch):
     """The target's and the drafter's dtypes: bf16 on CUDA, fp32 on CPU, each on its own device."""
     from service_kit.cli import build_parser

@@ -326,8 +326,9 @@ def test_moe_and_mla_replay_in_cuda_graph():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, rope", [((1, 64), False), ((3, 96), False), ((17, 384), False), ((63, 7168), False),
-                                         ((2, 8, 1536), False), ((5, 100), False), ((2, 40000), False), ((1, 1, 64), True), ((3, 6, 64), True),
-                                         ((17, 2, 128), True), ((4, 8, 6, 64), True), ((3, 2, 96), True)])
+                                         ((2, 8, 1536), False), ((5, 100), False), ((2, 40000), False),
+                                         ((1, 1, 64), True), ((3, 6, 64), True), ((17, 2, 128), True),
+                                         ((4, 8, 6, 64), True), ((3, 2, 96), True)])
 def test_rms_norm(shape, rope, dtype):
     g = torch.Generator("cuda").manual_seed(len(shape) * 100 + shape[-1])
     x = (torch.randn(shape, generator=g, device="cuda") * 3).to(dtype)

@@ -220,4 +220,3 @@ class PagedKVCache:
         out.copy_(host[:, :n], non_blocking=True)
         copied.record()
         return out
-

@@ -54,19 +54,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
     return weight * normed.to(x.dtype)
 
 
+def _projections(
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, fused_norms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] -> q [T, h, nope + rope], kv_a output [T, kv_lora + rope], normed latent c [T, kv_lora]
+    (the rope part of kv is not normalized)."""
+    heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
+    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS, fused_norms)  # [T, q_lora]
+    q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
+    kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
+    c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, fused_norms)  # [T, kv_lora]
+    return q, kv, c
+
+
 def mla_project(
     x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, fused_norms: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope], latent row [T, kv_lora + rope]."""
-    heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
-    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS, fused_norms)  # [T, q_lora]
-    q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
+    q, kv, c = _projections(x, w, cfg, fused_norms)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope, cos[:, None, :], sin[:, None, :])  # [T, h, rope]
-    kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
-    c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    c = rms_norm(c, w.kv_a_layernorm, LATENT_NORM_EPS, fused_norms)  # the rope part is not normalized
-    latent = torch.cat([c, apply_rope(k_rope, cos, sin)], dim=-1)  # [T, 576]
+    latent = torch.cat([c, apply_rope(kv[:, cfg.kv_lora_rank:], cos, sin)], dim=-1)  # [T, 576]
     return q_nope, q_rope, latent
 
 
@@ -204,11 +212,7 @@ def mla_project_cached(
     x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope]; latent rows land at kv_layer[write_slots]."""
     from kernels.mla_rope import mla_rope
 
-    heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
-    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS, True)  # [T, q_lora]
-    q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
-    kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
-    c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, True)  # [T, kv_lora]
+    q, kv, c = _projections(x, w, cfg, True)
     q_rope = mla_rope(q, kv, c, cos.contiguous(), sin.contiguous(), kv_layer, write_slots.contiguous())
     return q[..., : cfg.qk_nope_head_dim], q_rope
 
