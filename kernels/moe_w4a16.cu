@@ -313,9 +313,11 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 //         (row = sorted row), act = silu(gate·x) * (up·x). Grid (N/16, min(E, P), smax): blocks with
 //         z >= split (pick_split, or split_force) exit; for split > 1 they write fp32 partials to
 //         part [smax, P, 2, N] and counters[y * N/16 + x] elects the block that finishes the tile.
-// MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. Grid
-//         (N/16, min(E, P), 1). fuse: counters[tile] elects the last expert's block of each output tile, which writes
-//         final_out[:, 16*tile..+15] (combine_tile); with no active expert block (x, 0) does.
+// MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. A tile is
+//         16·DMT rows: each warp streams DMT 16-row pieces of it against the same act fragments (more
+//         bytes in flight per warp for the short K = I). Grid (N/(16·DMT), min(E, P), 1). fuse:
+//         counters[tile] elects the last expert's block of each output tile, which writes its rows of
+//         final_out (combine_tile); with no active expert block (x, 0) does.
 // Both modes: block x owns tile x, its NW warps splitting K, while few experts are active; with more
 // (tpb_max > 1 and 2·na·tiles >= slots·tpb_max) it owns tiles tpb·x .. tpb·x + tpb-1, NW/tpb warps
 // each, so every warp streams tpb x the K (longer cp.async streams), and blocks x >= tiles/tpb exit.
@@ -324,26 +326,27 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 // scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0
 // block waited for them before triggering. Every MODE 1 block with work waits before reading act, so
 // MODE 1 completes after MODE 0 (with no active expert MODE 0 writes nothing).
-// Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0, N % 16 == 0.
-// OCC: blocks of 256 threads per SM for the register budget: 2 (128 registers) everywhere but the
-// one-token-tile down kernel for T > 1, which fits 64 without spills (8 blocks of 4 warps per SM;
-// H200: 8 experts 87.9 vs 90.7 us). With one expert (T = 1 decode at EP 7) 128 registers win (the
-// K loop keeps more loads in flight, and occupancy is low anyway).
-template <int MODE, int NT, int OCC>
+// Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0,
+// N % (16*DMT) == 0.
+// OCC: blocks of 256 threads per SM for the register budget: 2 (128 registers), or 4 (64) for the
+// one-token-tile, one-piece down kernel (8 blocks of 4 warps per SM). The launcher runs down with two
+// pieces per warp for T > 1 (128 registers: faster than one piece at 64) and one piece at 128 for
+// T = 1 (one expert, T = 1 decode at EP 7: the K loop keeps more loads in flight).
+template <int MODE, int NT, int OCC, int DMT>
 __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     const u16* __restrict__ S0, const u32* __restrict__ W1, const u16* __restrict__ S1, const u16* __restrict__ B,
     int K, int N, int k_route, int P, const int* offsets, const int* order, const int* active,
     const int* num_active, void* out, float* part, int* counters, int slots, int smax, int split_force,
     const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse, int tpb_max) {
-  constexpr int MT = MODE == 0 ? 2 : 1;
+  constexpr int MT = MODE == 0 ? 2 : DMT, RT = MODE == 0 ? 16 : 16 * DMT;  // matrices per warp, rows per tile
   extern __shared__ __align__(16) unsigned char smem[];
   if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
   // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
   // is an unwritten slot of the [E] list and goes unused.
-  const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, tiles = N / 16;
+  const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, tiles = N / RT;
   if ((int)blockIdx.y >= na) {
     if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0)
-      combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * 16, final_out);
+      for (int m = 0; m < MT; ++m) combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * RT + 16 * m, final_out);
     return;
   }
   const int KW = K / 8, KG = K / 32, chunks = KG / CG;
@@ -356,7 +359,7 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
   int tpb = na >= 2 && split == 1 && 2 * na * tiles >= slots * tpb_max ? tpb_max : 1;
   if (tpb < 1 || tiles % tpb || NW % tpb || tpb * NT > NW) tpb = 1;
   if ((int)blockIdx.x * tpb >= tiles) return;
-  const int per = NW / tpb, row0 = (blockIdx.x * tpb + warp / per) * 16;  // warps per tile, this warp's tile
+  const int per = NW / tpb, row0 = (blockIdx.x * tpb + warp / per) * RT;  // warps per tile, this warp's tile
   if (MODE == 0) pdl_trigger();  // the down kernel may be scheduled (it waits for this grid before act)
   const int g = threadIdx.x >> 2, t = threadIdx.x & 3;
   // Warp slot w of split block z takes chunks w + z*per, then every split*per: a tile's warps read
@@ -367,8 +370,10 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
   const u16* Sm[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    Wm[m] = (m ? W1 : W0) + ((i64)e * N + row0) * KW;
-    Sm[m] = (m ? S1 : S0) + ((i64)e * N + row0) * KG;
+    // MODE 0: gate and up rows row0..+15; MODE 1: down rows row0 + 16m..+15 (DMT 16-row pieces)
+    const int r = MODE == 0 ? row0 : row0 + 16 * m;
+    Wm[m] = (MODE == 0 && m ? W1 : W0) + ((i64)e * N + r) * KW;
+    Sm[m] = (MODE == 0 && m ? S1 : S0) + ((i64)e * N + r) * KG;
   }
   Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * STAGES;
   WeightRing<MT> wring;
@@ -395,13 +400,14 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     else
       warp_gemm<MT, NT, NT, MODE == 1>(wring, xr, stride, nch, acc);
     block_sum<MT, NT>(smem, acc, ntv, per, [&](int gi, int n, int l, const float (&v)[MT][4]) {
-      const int r0 = (blockIdx.x * tpb + gi) * 16;
+      const int r0 = (blockIdx.x * tpb + gi) * RT;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int j = p0 + 8 * n + 2 * (l & 3) + (i & 1), row = r0 + (l >> 2) + 8 * (i >> 1);
         if (j >= n_e) continue;
         if constexpr (MODE == 1) {
-          reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row] = v[0][i];
+#pragma unroll
+          for (int m = 0; m < MT; ++m) reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row + 16 * m] = v[m][i];
         } else if (split == 1) {
           const float gate = v[0][i], act = gate / (1.f + __expf(-gate)) * v[MT - 1][i];
           reinterpret_cast<u16*>(out)[(i64)(off + j) * N + row] = f2bf(act);
@@ -428,7 +434,9 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
     for (int gi = 0; gi < tpb; ++gi) {
       const int tile = blockIdx.x * tpb + gi;
       if (arrive_last(&counters[tile], na))
-        combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, tile * 16, final_out);
+        for (int m = 0; m < MT; ++m)
+          combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, tile * RT + 16 * m,
+                       final_out);
     }
 }
 

@@ -42,9 +42,13 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, cos: float) -
         f"rel {err:.2e} cos {similarity:.8f}; worst at {[int(i) for i in idx]}: {o[idx]:.5f} vs {r[idx]:.5f}")
 
 
+@pytest.mark.parametrize("down_mt", [1, 2])  # 16-row pieces per down warp (moe_w4a16.DOWN_MT, T > 1)
 @pytest.mark.parametrize("T", [1, 3, 17, 63, 300])
 @pytest.mark.parametrize("H,I", [(512, 256), (384, 128), (7168, 2048)])  # 384/128: 3 and 1 K chunks
-def test_moe_w4a16(T, H, I):
+def test_moe_w4a16(T, H, I, down_mt, monkeypatch):
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "DOWN_MT", down_mt)
     E, first, k = 12, 5, 8
     experts = random_experts(E, H, I, first=first, seed=T)
     g = torch.Generator("cuda").manual_seed(T)
