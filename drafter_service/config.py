@@ -22,6 +22,8 @@ class DrafterConfig(ServerConfig):
                                    "are spread over them (0 = the preset's; K2.6 has 61)")
     device: str = option("cpu", "torch device, e.g. cpu, cuda, cuda:7")
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
+    torch_threads: int = option(0, "torch CPU threads (0: 1 on a GPU, where the OpenMP pools of services on one "
+                                "host spin against each other; torch's default on CPU)")
     max_tree_budget: int = option(256, "largest tree_budget accepted")
     window: int = option(4096, "context rows attended per session (sliding window; 0 = unlimited)")
     max_message_mb: int = option(512, "largest gRPC message, MiB (a resync carries up to `window` feature rows)")
@@ -42,3 +44,5 @@ class DrafterConfig(ServerConfig):
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:
             raise ValueError("window: must be >= 0")
+        if self.torch_threads < 0:
+            raise ValueError("torch_threads: must be >= 0")

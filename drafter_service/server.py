@@ -18,6 +18,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import (DraftMode, DrafterEngine, EngineOptions, ItemError, Proposal, ProposeItem,
                                     UnknownSessionError)
 from drafter_service.metrics import PROPOSE_SECONDS
+from service_kit.config import limit_torch_threads
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import configure_logging, get_logger
 from service_kit.server import Service, run_server
@@ -116,6 +117,7 @@ def load_engine(config: DrafterConfig) -> DrafterEngine:
 
 def main(config: DrafterConfig) -> int:
     configure_logging("drafter", config.log_level, json=config.log_format == "json")
+    limit_torch_threads(config.device, config.torch_threads)
     servicer = DrafterServicer()
 
     async def warmup() -> None:

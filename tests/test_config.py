@@ -42,10 +42,26 @@ def test_bools_and_choices(monkeypatch):
     (["--synthetic", "k27"], "synthetic"),
     (["--synthetic", "k26", "--split-replicated", "true"], "split_replicated"),
     (["--model", "m", "--force-accept-depth", "-1"], "force_accept_depth"),
+    (["--model", "m", "--torch-threads", "-1"], "torch_threads"),
 ])
 def test_invalid_values_name_the_field(argv, field):
     with pytest.raises(ValueError, match=field):
         parse(argv)
+
+
+def test_torch_threads_one_on_a_gpu_unless_set():
+    """GPU services run torch's host ops on one thread (co-located OpenMP pools spin against each other);
+    an explicit count wins; on CPU torch keeps its own default."""
+    import torch
+
+    default = torch.get_num_threads()
+    try:
+        assert cfg.limit_torch_threads("cpu", 0) == default
+        assert cfg.limit_torch_threads("cuda:1", 0) == 1 == torch.get_num_threads()
+        assert cfg.limit_torch_threads("cuda", 2) == 2
+        assert cfg.limit_torch_threads("cpu", 1) == 1
+    finally:
+        torch.set_num_threads(default)
 
 
 def test_synthetic_needs_no_checkpoint(capsys):

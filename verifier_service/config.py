@@ -19,6 +19,8 @@ class VerifierConfig(ServerConfig):
     synthetic_layers: int = option(0, "with --synthetic: number of layers (0 = the preset's; K2.6 has 61)")
     device: str = option("cpu", "cpu or cuda")
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
+    torch_threads: int = option(0, "torch CPU threads (0: 1 on a GPU, where the OpenMP pools of services on one "
+                                "host spin against each other; torch's default on CPU)")
     world_size: int = option(1, "verifier ranks (GPUs); routed experts and attention heads are split over them")
     gpus: tuple[int, ...] = option((), "GPU index per rank (default: the first world_size visible)")
     drafter: tuple[str, ...] = option((), "drafter replica host:port (repeatable) or one dns:///name:port")
@@ -52,8 +54,8 @@ class VerifierConfig(ServerConfig):
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
         if self.synthetic and self.split_replicated:
             raise ValueError("split_replicated: not available with --synthetic (random slices are head/expert only)")
-        if self.synthetic_layers < 0 or self.force_accept_depth < 0:
-            raise ValueError("synthetic_layers, force_accept_depth: must be >= 0")
+        if self.synthetic_layers < 0 or self.force_accept_depth < 0 or self.torch_threads < 0:
+            raise ValueError("synthetic_layers, force_accept_depth, torch_threads: must be >= 0")
         if self.world_size < 1:
             raise ValueError("world_size: must be >= 1")
         if self.gpus and len(self.gpus) != self.world_size:

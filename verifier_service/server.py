@@ -15,6 +15,7 @@ from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.internal.v1 import verifier_pb2_grpc as vpb_grpc
 from ddtree.v1 import generation_pb2 as pb
+from service_kit.config import limit_torch_threads
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import configure_logging, get_logger
 from service_kit.server import Service, run_server
@@ -133,6 +134,7 @@ def die(engine, workers, why: str) -> None:
 
 def main(config: VerifierConfig) -> int:
     configure_logging("verifier", config.log_level, json=config.log_format == "json")
+    limit_torch_threads(config.device, config.torch_threads)
     from verifier_service.engine import build_engine
 
     info, workers = ranks.start_ranks(config, sys.argv[1:])
