@@ -17,6 +17,11 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   return r;
 }
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it). wait: every
+// prerequisite grid has completed and its writes are visible. trigger: this block no longer keeps the
+// dependent grid from being scheduled (it still has to wait before reading what this grid writes).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // cp.async: global -> shared without registers; .cg (16 B) bypasses L1 for streamed data.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {

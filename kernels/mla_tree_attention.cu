@@ -231,6 +231,7 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     float scale2, int chunk, int TH, u16* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part) {
   constexpr int RG = MT / 16, KG = 8 / RG, NT = RG;
+  pdl_trigger();  // the merge's blocks may become resident; they wait for this grid before reading it
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem<MT, NSTAGE>& sm = *reinterpret_cast<Smem<MT, NSTAGE>*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
@@ -314,7 +315,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
 
 // Merge splits: out[r] = Σ_z 2^(lse_z - M) o_z / Σ_z 2^(lse_z - M). Grid (T*h, 4); block 256 = 8 split
 // groups x 32 lanes, lane = 4 columns (float4) of the block's 128, so each thread has nsplit/8
-// independent loads in flight. Requires splits <= 1024.
+// independent loads in flight. Requires splits <= 1024. With programmatic dependent launch it becomes
+// resident while mla_attn runs and reads only the plan (row_starts, prefix_lens) before its wait.
 extern "C" __global__ void __launch_bounds__(256) mla_merge(
     const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
     const i64* __restrict__ row_starts, int B, int h, int chunk, int TH, u16* __restrict__ out) {
@@ -326,6 +328,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge(
   while (b + 1 < B && row_starts[b + 1] <= t) ++b;
   const i64 kv_len = prefix_lens[b] + row_starts[b + 1] - row_starts[b];
   const int nsplit = (int)((kv_len + chunk - 1) / chunk);
+  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
   float mx = NEG_INF;
   for (int z = tid; z < nsplit; z += 256) mx = fmaxf(mx, wz[z] = lse_part[(i64)z * TH + qr]);
   for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));

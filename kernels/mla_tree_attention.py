@@ -37,6 +37,7 @@ D, DV, KT = 576, 512, 64
 MAX_SPLITS = 1024  # mla_merge's limit
 CONFIG = None  # (MT, NSTAGE) forced by the bench / tests; None: _config picks
 SPLITS = None  # split count forced by the bench; None: _split picks
+PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
 
 
 def _smem(mt: int, nstage: int) -> int:  # sizeof(Smem<MT, NSTAGE>) in the .cu
@@ -103,7 +104,8 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
            prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e), chunk,
            T * h, out, o_part, lse, smem=smem)
     if splits > 1:
-        launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, chunk, T * h, out)
+        launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, chunk, T * h, out,
+               pdl=PDL)
     return out
 
 

@@ -24,12 +24,6 @@
 #define STAGES 4             // cp.async stages per warp
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
-// Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it). wait: every
-// prerequisite grid has completed and its writes are visible. trigger: this block no longer keeps the
-// dependent grid from being scheduled (it still has to wait before reading what this grid writes).
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
 // Pairs p = t*k + s of the [T, k] routing; local expert e = topk_ids[p] - first, owned iff 0 <= e < E.
 // offsets[E+1]: sorted rows of expert e are offsets[e]..offsets[e+1]-1; order[row] = pair index;
 // active[0..*num_active) = experts with rows, ascending. Row order inside an expert is irrelevant:

@@ -184,6 +184,29 @@ def test_mla_tree_attention_configs(config, monkeypatch):
     assert_close(out, mla_tree_attention_ref(*args, 0.14467963), rel=1e-2, cos=0.99995)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("graph", [False, True])
+def test_mla_tree_attention_back_to_back(graph, pdl, monkeypatch):
+    """Split calls queued without a host sync (the merge becomes resident while mla_attn runs through
+    programmatic dependent launch and must wait before reading its partials; the sync-every-launch
+    fixture would hide a missing wait), eagerly and replayed from a CUDA graph."""
+    monkeypatch.setattr(mla_mod, "PDL", pdl)
+    monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
+    cases = [mla_case(r, p, 10, 64, seed=i) for i, (r, p) in
+             enumerate([([1], [40000]), ([16], [20000]), ([3, 1], [9000, 30000]), ([1], [5000])])]
+    outs = [mla_tree_attention(*c, 0.14467963) for c in cases]
+    if graph:
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            outs = [mla_tree_attention(*c, 0.14467963) for c in cases]
+        for c in cases:  # new queries in place, then replay
+            c[0].copy_(torch.randn_like(c[0], dtype=torch.float32).bfloat16())
+        cg.replay()
+    torch.cuda.synchronize()
+    for out, c in zip(outs, cases):
+        assert_close(out, mla_tree_attention_ref(*c, 0.14467963), rel=1e-2, cos=0.99995)
+
+
 @pytest.mark.parametrize("S,N", [(1, 1), (3, 17), (5, 63), (2, 300)])
 def test_tree_accept(S, N):
     g = torch.Generator().manual_seed(N)
