@@ -261,6 +261,29 @@ def bench_small(copy_bw: float) -> list[dict]:
     return rows
 
 
+# (K, N): the tiny pair's fp32 target (q_a, q_b, kv_a, o_proj, lm_head, layer 0's gate and down). In bf16
+# (K2.6) cuBLAS's tensor-core kernels win: at 17 rows x 7168 x 2048, 8.9 us against ~50 (H200 2026-11-30).
+LINEAR_CASES = ((384, 96), (96, 288), (384, 80), (192, 384), (384, 4352), (384, 1024), (1024, 384))
+
+
+def bench_linear(copy_bw: float) -> list[dict]:
+    """skinny_linear against F.linear (cuBLAS) at 1-64 fp32 rows; bytes = weight + x + y."""
+    import torch.nn.functional as F
+
+    from kernels.skinny_linear import skinny_linear
+
+    rows = []
+    for K, N in LINEAR_CASES:
+        w = torch.randn(N, K, device="cuda") * K**-0.5
+        for M in (1, 17, 33, 64):
+            xs = [torch.randn(M, K, device="cuda") for _ in range(8)]
+            t = gpu_time([lambda x=x: skinny_linear(x, w) for x in xs])
+            t_ref = gpu_time([lambda x=x: F.linear(x, w) for x in xs])
+            nbytes = (N * K + M * K + M * N) * 4
+            rows.append(_row("skinny_linear", f"fp32 rows={M} K={K} N={N}", t, nbytes, copy_bw, t_ref))
+    return rows
+
+
 # (sessions, depths, k, budget): K2.6's drafter block 8 -> depths 1..7; the engine uses k = budget
 # (drafter_service/engine.py); k < budget and depth 15 (block 16) as in earlier sessions.
 DDTREE_CASES = ((1, 7, 8, 16), (8, 7, 8, 16), (8, 7, 16, 16), (8, 7, 16, 64), (8, 7, 64, 64), (8, 15, 16, 64),
@@ -290,8 +313,8 @@ def main(preset: str = "k26", out: str | None = None, only: str | None = None) -
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []
-    for bench in (bench_moe, bench_mla, bench_small, bench_ddtree):
-        if only is None or only in bench.__name__:  # --only moe / mla / small / ddtree
+    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_ddtree):
+        if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree
             rows += bench(bw)
     print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
           f"{'ref us':>10} {'x ref':>6}")

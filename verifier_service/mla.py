@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verifier_service.linear import project
 from verifier_service.model_config import K2Config
 from verifier_service.plan import BatchPlan, KeyGroup
 from verifier_service.rope import apply_rope
@@ -55,23 +56,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
 
 
 def _projections(
-    x: torch.Tensor, w: MLAWeights, cfg: K2Config, fused_norms: bool
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> q [T, h, nope + rope], kv_a output [T, kv_lora + rope], normed latent c [T, kv_lora]
-    (the rope part of kv is not normalized)."""
+    (the rope part of kv is not normalized). fused: kernels for the norms and few-row projections."""
     heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
-    q_lat = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, LATENT_NORM_EPS, fused_norms)  # [T, q_lora]
-    q = F.linear(q_lat, w.q_b_proj).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
-    kv = F.linear(x, w.kv_a_proj_with_mqa)  # [T, kv_lora + rope]
-    c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, fused_norms)  # [T, kv_lora]
+    q_lat = rms_norm(project(x, w.q_a_proj, fused), w.q_a_layernorm, LATENT_NORM_EPS, fused)  # [T, q_lora]
+    q = project(q_lat, w.q_b_proj, fused).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
+    kv = project(x, w.kv_a_proj_with_mqa, fused)  # [T, kv_lora + rope]
+    c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, fused)  # [T, kv_lora]
     return q, kv, c
 
 
 def mla_project(
-    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, fused_norms: bool = False
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope], latent row [T, kv_lora + rope]."""
-    q, kv, c = _projections(x, w, cfg, fused_norms)
+    q, kv, c = _projections(x, w, cfg, fused)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_rope = apply_rope(q_rope, cos[:, None, :], sin[:, None, :])  # [T, h, rope]
     latent = torch.cat([c, apply_rope(kv[:, cfg.kv_lora_rank:], cos, sin)], dim=-1)  # [T, 576]
@@ -235,7 +236,8 @@ def mla_forward(
     kv_layer [num_slots, 576] is one layer's cache viewed flat; rows are written before attention reads.
     `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form);
     `groups` = RowKeys selects the sync-free batched path, a list of KeyGroups the per-session reference.
-    `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA).
+    `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA), and the
+    projections of few rows (kernels/skinny_linear).
     """
     if fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous():
         q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots)
@@ -243,16 +245,16 @@ def mla_forward(
         q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
         kv_layer[write_slots] = latent.to(kv_layer.dtype)
     if paged is not None:
-        return F.linear(attend_paged_kernel(q_nope, q_rope, w, cfg, *paged), w.o_proj)
+        return project(attend_paged_kernel(q_nope, q_rope, w, cfg, *paged), w.o_proj, fused)
     if isinstance(groups, RowKeys):
-        return F.linear(attend_rows(q_nope, q_rope, kv_layer, groups, w, cfg, explicit).to(x.dtype), w.o_proj)
+        return project(attend_rows(q_nope, q_rope, kv_layer, groups, w, cfg, explicit).to(x.dtype), w.o_proj, fused)
     attend = attend_explicit if explicit else attend_absorbed
     heads = q_nope.shape[1]
     out = x.new_empty(x.shape[0], heads * cfg.v_head_dim)  # [T, h*v]
     for g in groups:
         keys = kv_layer[g.key_slots]  # [S, 576]
         out[g.rows] = attend(q_nope[g.rows], q_rope[g.rows], keys, g.mask, w, cfg)
-    return F.linear(out, w.o_proj)
+    return project(out, w.o_proj, fused)
 
 
 def attend_paged_kernel(q_nope: torch.Tensor, q_rope: torch.Tensor, w: MLAWeights, cfg: K2Config,

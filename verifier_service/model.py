@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.mla import MLAWeights, mla_forward, rms_norm, row_keys
+from verifier_service.linear import project
 from verifier_service.model_config import K2Config
 from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
                                   mlp, moe_forward)
@@ -96,7 +97,7 @@ class K2Model:
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # fp32 [rope/2]
         # CPU keeps the reference path by default: its outputs are compared with HF transformers.
         self.sync_free = (use_kernels and self.device.type == "cuda") if sync_free is None else sync_free
-        self.fused_norms = use_kernels and self.device.type == "cuda"  # kernels/rms_norm, kernels/mla_rope
+        self.fused = use_kernels and self.device.type == "cuda"  # kernels/rms_norm, mla_rope, skinny_linear
         self.dense_experts = self._dense_experts() if self.sync_free else {}  # layer -> dense ExpertStack
 
     @torch.inference_mode()
@@ -122,20 +123,20 @@ class K2Model:
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
-            a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps, self.fused_norms)
+            a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps, self.fused)
             paged = (kv_cache[i], plan) if kernel_attn else None
             attn = mla_forward(a, layer.self_attn, cfg, cos, sin, kv_layer, plan.write_slots, groups,
-                               plan.explicit_mla, paged, self.fused_norms)
+                               plan.explicit_mla, paged, self.fused)
             h = h + self.all_reduce(attn)
-            b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps, self.fused_norms)
+            b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps, self.fused)
             h = h + self._mlp(i, b, layer.mlp)
             if i in target_layer_ids:
                 captured[i] = h[hidden_rows]  # [Rh, H]
         hidden = (torch.cat([captured[i] for i in target_layer_ids], dim=-1) if target_layer_ids
                   else h.new_zeros(len(hidden_rows), 0))
         out_rows = _rows(plan.logit_rows, plan.num_rows, h.device)
-        final = rms_norm(h[out_rows], w.norm, cfg.rms_norm_eps, self.fused_norms)  # [Rl, H]
-        return ForwardOutput(logits=self.all_gather(F.linear(final, w.lm_head).float()), hidden=hidden)
+        final = rms_norm(h[out_rows], w.norm, cfg.rms_norm_eps, self.fused)  # [Rl, H]
+        return ForwardOutput(logits=self.all_gather(project(final, w.lm_head, self.fused).float()), hidden=hidden)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weights
@@ -148,7 +149,7 @@ class K2Model:
 
     def _mlp(self, layer: int, x: torch.Tensor, w: MLPWeights | MoEWeights) -> torch.Tensor:
         if isinstance(w, MLPWeights):  # replicated, or column/row split over ranks (then summed)
-            y = mlp(x, w)
+            y = mlp(x, w, self.fused)
             return self.all_reduce(y) if w.gate_proj.shape[0] < self.cfg.intermediate_size else y
         observe = None if self.on_experts is None else (lambda ids: self.on_experts(layer, ids))
         return moe_forward(x, w, self.cfg, self.all_reduce, observe, use_kernel=self.use_kernels,

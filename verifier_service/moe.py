@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.int4 import Int4Weight, linear
+from verifier_service.linear import SKINNY_MAX_ROWS, project
 from verifier_service.model_config import K2Config
 
 ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
@@ -53,9 +54,9 @@ class MoEWeights:
     shared_experts: MLPWeights | None  # [I·n_shared, H] etc.; None when n_shared_experts == 0
 
 
-def mlp(x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
-    """down(silu(gate x) ⊙ up x): [T, H] -> [T, H]."""
-    return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+def mlp(x: torch.Tensor, w: MLPWeights, kernel: bool = False) -> torch.Tensor:
+    """down(silu(gate x) ⊙ up x): [T, H] -> [T, H]. kernel: few-row projections by kernels/skinny_linear."""
+    return project(F.silu(project(x, w.gate_proj, kernel)) * project(x, w.up_proj, kernel), w.down_proj, kernel)
 
 
 def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
@@ -135,7 +136,7 @@ def dense_stack(experts: ExpertStack, dtype: torch.dtype) -> ExpertStack:
 
 
 def moe_experts_dense(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertStack
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertStack, kernel: bool = False
 ) -> torch.Tensor:
     """moe_experts_ref's contract without host syncs or data-dependent shapes: x [T, H] -> [T, H].
 
@@ -143,6 +144,8 @@ def moe_experts_dense(
     the router weights of the pairs routed to this rank; pairs of other ranks' experts weigh 0.
     `experts` should be a `dense_stack`: an INT4 stack is dequantized on every call, which also copies
     int4's shift table to the device (not capturable in a CUDA graph).
+    kernel: where kernels/skinny_linear takes the rows (fp32, few rows), the experts run as three projections
+    of all experts at once, the router weights folded into the activations before the down projection.
     """
     E = experts.count
     local = topk_ids - experts.first  # [T, k]; outside [0, E) matches no local expert
@@ -150,9 +153,21 @@ def moe_experts_dense(
     combine = (hit * topk_weights[..., None]).sum(1)  # fp32 [T, E]; ids are distinct per token
     d = dense_stack(experts, x.dtype)
     gate, up, down = d.gate_proj, d.up_proj, d.down_proj  # [E, I, H], [E, I, H], [E, H, I]
+    if kernel and x.is_cuda and x.dtype == torch.float32 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
+        return _experts_projected(x, combine, gate, up, down)
     act = F.silu(torch.matmul(x, gate.transpose(1, 2))) * torch.matmul(x, up.transpose(1, 2))  # [E, T, I]
     y = torch.matmul(act, down.transpose(1, 2))  # [E, T, H]
     return torch.einsum("eth,te->th", y.float(), combine).to(x.dtype)
+
+
+def _experts_projected(x, combine, gate, up, down) -> torch.Tensor:
+    """moe_experts_dense as projections (kernels/skinny_linear): [T, E·I] gate and up of every expert in one
+    launch each, then y = (combine ⊙ act) [T, E·I] @ down as [H, E·I] (copied per call: 4.7 MB for the tiny
+    target). cuBLAS's batched fp32 GEMMs at 17 rows cost ~7.5 us each, 15 of them per tiny-target verify."""
+    T, (E, I, H) = x.shape[0], gate.shape
+    act = F.silu(project(x, gate.reshape(E * I, H), True)) * project(x, up.reshape(E * I, H), True)  # [T, E·I]
+    act = (act.view(T, E, I) * combine[:, :, None]).view(T, E * I)
+    return project(act, down.permute(1, 0, 2).reshape(H, E * I), True)
 
 
 def moe_forward(
@@ -177,16 +192,16 @@ def moe_forward(
 
         routed = moe_w4a16(x, topk_ids, topk_weights, w.experts)
     elif dense is not None and dense_fits(x.shape[0], dense):
-        routed = moe_experts_dense(x, topk_ids, topk_weights, dense)
+        routed = moe_experts_dense(x, topk_ids, topk_weights, dense, use_kernel)
     else:
         routed = moe_experts_ref(x, topk_ids, topk_weights, w.experts)
     shared = w.shared_experts
     if shared is None:
         return all_reduce(routed)
     if shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts:
-        return all_reduce(routed + mlp(x, shared))  # column/row-split shared expert: partial, summed
+        return all_reduce(routed + mlp(x, shared, use_kernel))  # column/row-split shared expert: partial, summed
     # Replicated shared expert: added after the reduce so it is counted once.
-    return all_reduce(routed) + mlp(x, shared)
+    return all_reduce(routed) + mlp(x, shared, use_kernel)
 
 
 def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
