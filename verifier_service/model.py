@@ -15,7 +15,8 @@ Three ways to run attention and routed experts, chosen per call (`attention_path
    only if all layers' dense experts fit DENSE_EXPERTS_MAX_BYTES);
 3. the torch reference (host syncs: per-session key groups, per-expert loop) — CPU by default.
 Paths 1 and 2 never read tensors back to the host, so `graph_safe` lets the runner capture CUDA graphs.
-With `use_kernels` on a GPU every RMSNorm is also one launch (kernels/rms_norm) at any shape.
+With `use_kernels` on a GPU every RMSNorm is also one launch (kernels/rms_norm) at any shape, and fp32
+projections of 1-64 rows (dense, head, and path 2's every-expert MoE) run kernels/skinny_linear (linear.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verifier_service.mla import MLAWeights, mla_forward, rms_norm, row_keys
 from verifier_service.linear import project
+from verifier_service.mla import MLAWeights, mla_forward, rms_norm, row_keys
 from verifier_service.model_config import K2Config
 from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
                                   mlp, moe_forward)
