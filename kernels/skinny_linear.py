@@ -59,7 +59,6 @@ __device__ __forceinline__ void load4(float (&f)[4], const float* p) {
 // other, so a weight row is read from HBM once and from L2 by the other row tiles. Block: `warps` warps (a
 // function of K only) that split K: thread t sums 16-byte chunks t, t + 32·warps, ... in order (two loads
 // in flight per step), each warp reduce-scatters, then warp 0 adds the warps' sums in order.
-
 extern "C" __global__ void skinny_linear(const float* __restrict__ x, const float* __restrict__ w,
                                          float* __restrict__ y, int M, int N, int K) {
   constexpr int V = 4;  // floats per 16-byte chunk
