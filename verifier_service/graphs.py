@@ -30,10 +30,10 @@ import torch
 from verifier_service.model import GRAPH_MAX_ROWS, SYNC_FREE, ForwardOutput, K2Model
 from verifier_service.plan import BatchPlan
 
+# Row buckets. fp32 once skipped 8 and 16 (cuBLAS's split-K fp32 GEMMs at 8-16 rows cost more than padding
+# to 32); its projections now run kernels/skinny_linear, and the kimi-tiny forward at 5-16 rows takes
+# 7-13 % less GPU time in the 8/16 buckets than padded to 32 (H200, 2026-11-30).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# fp32 pads 5-16 rows to 32: for 8- and 16-row fp32 GEMMs cuBLAS picks split-K kernels (a memset plus
-# ~40 us per MLP GEMM on an H200), and a kimi-tiny step took 2.9-3.0 ms against 1.9 ms padded to 32.
-FP32_BUCKETS = tuple(b for b in BUCKETS if b not in (8, 16))
 PAD_SESSION = "__graph_pad__"
 assert BUCKETS[-1] == GRAPH_MAX_ROWS  # K2Model.graph_safe checks its paths for plans of this size
 
@@ -56,14 +56,13 @@ class GraphRunner:
         self.model, self.cache = model, cache
         self.max_seqs, self.max_pages = max_seqs, max_pages
         self.page_buckets = model.attention_path(cache.kv) == SYNC_FREE
-        self.buckets = FP32_BUCKETS if cache.kv.dtype == torch.float32 else BUCKETS
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
         cache.table.open(PAD_SESSION)  # one page whose first slot takes every pad row's latent
         self.pad_slot = cache.table.extend(PAD_SESSION, 1)[0]
 
     def fits(self, plan: BatchPlan) -> bool:
-        if plan.explicit_mla or plan.num_rows > self.buckets[-1] or plan.prefix_lens.shape[0] > self.max_seqs \
+        if plan.explicit_mla or plan.num_rows > BUCKETS[-1] or plan.prefix_lens.shape[0] > self.max_seqs \
                 or plan.page_table.shape[1] > self.max_pages:
             return False
         if self.page_buckets:  # sync-free attention gathers every padded row's prefix keys
@@ -75,16 +74,16 @@ class GraphRunner:
         """(rows, page-table width) of one plan per graph worth capturing before serving: every row bucket up
         to the one holding `max_rows`, at every width the path tells apart (powers of two on the sync-free
         path, else max_pages), leaving out the shapes that run eagerly anyway."""
-        top = next(b for b in self.buckets if b >= min(max_rows, self.buckets[-1]))
+        top = next(b for b in BUCKETS if b >= min(max_rows, BUCKETS[-1]))
         widths = [self.max_pages]
         if self.page_buckets:
             widths = sorted({page_bucket(1 << i, self.max_pages, True) for i in range(self.max_pages.bit_length() + 1)})
-        return [(b, w) for b in self.buckets if b <= top for w in widths
+        return [(b, w) for b in BUCKETS if b <= top for w in widths
                 if not self.page_buckets or b * w * self.cache.page_size <= SYNC_FREE_MAX_ROW_KEYS]
 
     def key(self, plan: BatchPlan, layer_ids: Sequence[int]) -> tuple[int, int, tuple[int, ...]]:
         """(row bucket, static page-table width, layer ids) of the graph that replays `plan`."""
-        bucket = next(b for b in self.buckets if b >= plan.num_rows)
+        bucket = next(b for b in BUCKETS if b >= plan.num_rows)
         return bucket, page_bucket(plan.page_table.shape[1], self.max_pages, self.page_buckets), tuple(layer_ids)
 
     def forward(self, plan: BatchPlan, layer_ids: Sequence[int]) -> ForwardOutput:
