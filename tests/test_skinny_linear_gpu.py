@@ -9,6 +9,7 @@ from model_fixtures import tiny_dir, tiny_model  # noqa: F401 (pytest fixtures)
 
 from kernels.skinny_linear import MAX_ROWS, fits, skinny_linear, skinny_linear_ref
 from verifier_service.int4 import Int4Weight
+from verifier_service.linear import on_kernel
 from verifier_service.moe import ExpertStack, dense_stack, moe_experts_dense, moe_experts_ref, route
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -73,5 +74,6 @@ def test_dense_moe_through_projections(tiny_model, rows):  # noqa: F811 (pytest 
         want = moe_experts_ref(x, ids, weights, part)
         dense = dense_stack(ExpertStack(*(Int4Weight(m.packed.cuda(), m.scale.cuda(), m.shape) for m in
                                           (part.gate_proj, part.up_proj, part.down_proj)), part.first), torch.float32)
+        assert on_kernel(x.cuda(), dense.gate_proj.reshape(-1, cfg.hidden_size), True)  # the projected path runs
         got = moe_experts_dense(x.cuda(), ids.cuda(), weights.cuda(), dense, kernel=True).cpu()
         assert ((got - want).norm() / want.norm()).item() < 1e-5, (lo, hi)

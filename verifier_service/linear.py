@@ -8,14 +8,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SKINNY_MAX_ROWS = 64  # kernels.skinny_linear.MAX_ROWS (not imported: CPU-only installs never load kernels)
+
+def on_kernel(x: torch.Tensor, weight: torch.Tensor, kernel: bool) -> bool:
+    """Whether `project(x, weight, kernel)` runs kernels/skinny_linear (imported only on a GPU: CPU-only
+    installs never load kernels)."""
+    if not (kernel and x.is_cuda):
+        return False
+    from kernels.skinny_linear import fits
+
+    return fits(x, weight)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, kernel: bool = False) -> torch.Tensor:
     """x [T, K] @ weight [N, K]ᵀ -> [T, N] in x's dtype."""
-    if kernel and x.is_cuda:
-        from kernels.skinny_linear import fits, skinny_linear
+    if on_kernel(x, weight, kernel):
+        from kernels.skinny_linear import skinny_linear
 
-        if fits(x, weight):
-            return skinny_linear(x, weight)
+        return skinny_linear(x, weight)
     return F.linear(x, weight)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.int4 import Int4Weight, linear
-from verifier_service.linear import SKINNY_MAX_ROWS, project
+from verifier_service.linear import on_kernel, project
 from verifier_service.model_config import K2Config
 
 ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
@@ -153,7 +153,7 @@ def moe_experts_dense(
     combine = (hit * topk_weights[..., None]).sum(1)  # fp32 [T, E]; ids are distinct per token
     d = dense_stack(experts, x.dtype)
     gate, up, down = d.gate_proj, d.up_proj, d.down_proj  # [E, I, H], [E, I, H], [E, H, I]
-    if kernel and x.is_cuda and x.dtype == torch.float32 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
+    if on_kernel(x, gate.reshape(-1, gate.shape[-1]), kernel):
         return _experts_projected(x, combine, gate, up, down)
     act = F.silu(torch.matmul(x, gate.transpose(1, 2))) * torch.matmul(x, up.transpose(1, 2))  # [E, T, I]
     y = torch.matmul(act, down.transpose(1, 2))  # [E, T, H]
