@@ -261,10 +261,8 @@ class Engine:
         if on_host is None:
             index = [r for _, _, rows in keep for r in rows]
             on_host = hidden[torch.tensor(index, device=hidden.device)].cpu()
-            bounds = [0]
-            for _, _, rows in keep:
-                bounds.append(bounds[-1] + len(rows))
-            return [(s, position, on_host[a:b]) for (s, position, _), a, b in zip(keep, bounds, bounds[1:])]
+            parts = on_host.split([len(rows) for _, _, rows in keep])
+            return [(s, position, part) for (s, position, _), part in zip(keep, parts)]
         return [(s, position, on_host[rows.start: rows.stop] if isinstance(rows, range) else on_host[rows])
                 for s, position, rows in keep]
 
