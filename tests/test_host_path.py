@@ -214,3 +214,16 @@ def test_host_argmax_accept_equals_device_accept(params):
     if params.greedy:
         assert token == host.argmax[5]
         assert (params.return_logprobs and logprob == host.logprobs[5]) or not params.return_logprobs
+
+
+def test_kept_features_gathered_equal_indexed():
+    """Engine._kept_features without a host copy of every row (large K2.6 rows: one gather, one read, split
+    per session) gives each session the same rows as indexing a full host copy (the reference)."""
+    from verifier_service.engine import Engine
+
+    hidden = torch.randn(12, 6)
+    keep = [("a", 3, [0, 2, 3]), ("b", 7, range(5, 8)), ("c", 1, [11]), ("d", 0, [4])]
+    got = Engine._kept_features(keep, hidden, None)
+    assert [(s, p) for s, p, _ in got] == [(s, p) for s, p, _ in keep]
+    for (_, _, rows), (_, _, want) in zip(got, keep):
+        assert torch.equal(rows, hidden[list(want)])
