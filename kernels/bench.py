@@ -258,6 +258,13 @@ def bench_small(copy_bw: float) -> list[dict]:
         t_ref = gpu_time([lambda x=x: moe_gate_ref(x, gate, bias, 8, 2.827) for x in xs])
         rows.append(_row("moe_gate", f"rows={T} experts={K26['E']}", t, gate.nbytes + T * K26["H"] * 2, copy_bw,
                          t_ref))
+    from kernels.silu_mul import silu_mul, silu_mul_ref
+
+    for T, I in ((1, 2048), (16, 2048), (16, 18432), (64, 2048)):  # shared expert, dense layer 0
+        xs = [torch.randn(T, 2 * I, device="cuda").bfloat16() for _ in range(8)]
+        t = gpu_time([lambda x=x: silu_mul(x) for x in xs])
+        t_ref = gpu_time([lambda x=x: silu_mul_ref(x) for x in xs])  # two strided launches
+        rows.append(_row("silu_mul", f"rows={T} inter={I}", t, 3 * T * I * 2, copy_bw, t_ref))
     return rows
 
 

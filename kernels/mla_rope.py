@@ -4,7 +4,8 @@ each, a concatenation, a cast and an indexed write).
     mla_rope(q, kv, c, cos, sin, cache, slots) -> q_rope
 
 q      [T, h, D] contiguous: per head [nope | rope]; its last R = rope dims are rotated into q_rope
-kv     [T, C + R] contiguous: the kv_a projection [latent | k_rope]; its k_rope part is rotated
+kv     [T, C + R], last dim contiguous, any row stride (a column block of the fused q/kv latent projection's
+       output): the kv_a projection [latent | k_rope]; its k_rope part is rotated
 c      [T, C] contiguous: the normed latent (kv_a_layernorm of kv[:, :C])
 cos    [T, R/2] fp32 contiguous (sin the same): one angle per interleaved pair, amplitude folded in
 cache  [S, C + R] one layer's latent cache viewed flat, q's dtype: row slots[t] <- [c[t] | rope(k_rope[t])]
@@ -39,14 +40,15 @@ __device__ __forceinline__ void rotate(const T* x, T* out, float c, float s) {
 template <typename T>
 __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, const T* __restrict__ c,
                          const float* __restrict__ cos, const float* __restrict__ sin, T* __restrict__ cache,
-                         const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R) {
+                         const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R,
+                         int kv_ld) {
   const int t = blockIdx.x, half = R / 2;
   const float* ct = cos + (i64)t * half;
   const float* sn = sin + (i64)t * half;
   T* row = cache + slots[t] * (C + R);
   for (int i = threadIdx.x; i < C; i += blockDim.x) row[i] = c[(i64)t * C + i];
   for (int i = threadIdx.x; i < half; i += blockDim.x)
-    rotate(kv + (i64)t * (C + R) + C + 2 * i, row + C + 2 * i, ct[i], sn[i]);
+    rotate(kv + (i64)t * kv_ld + C + 2 * i, row + C + 2 * i, ct[i], sn[i]);
   for (int j = threadIdx.x; j < h * half; j += blockDim.x) {
     const int head = j / half, i = j % half;
     const i64 qh = (i64)t * h + head;
@@ -70,12 +72,13 @@ def mla_rope(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tens
     assert kv.shape == (T, C + R) and c.shape == (T, C) and cache.shape[1] == C + R and R <= D, (kv.shape, c.shape)
     assert cos.shape == sin.shape == (T, R // 2) and cos.dtype == sin.dtype == torch.float32, (cos.shape, cos.dtype)
     assert slots.shape == (T,) and slots.dtype == torch.int64
-    for x in (q, kv, c, cos, sin, cache, slots):
+    for x in (q, c, cos, sin, cache, slots):
         assert x.is_contiguous()
+    assert kv.stride(1) == 1, kv.stride()
     q_rope = torch.empty(T, h, R, dtype=q.dtype, device=q.device)
     if T:
         ker = get_kernels(cuda_source(CODE), NAMES)[f"mla_rope<{_TYPE[q.dtype]}>"]
-        launch(ker, T, 128, q, kv, c, cos, sin, cache, slots, q_rope, h, D, C, R)
+        launch(ker, T, 128, q, kv, c, cos, sin, cache, slots, q_rope, h, D, C, R, kv.stride(0))
     return q_rope
 
 

@@ -2,7 +2,8 @@
 
     rms_norm(x, weight, eps, cos=None, sin=None) -> out   (new tensor, x's shape and dtype)
 
-x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D
+x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D. Or a [N, D] view of wider rows (last dim
+        contiguous, row stride x.stride(0)): a fused projection's column block is normed in place of a copy
 weight  [D], x's dtype
 cos/sin None, or contiguous [..., 1, D] (x's dtype) with x = [..., heads, D]: row r of x (flattened) uses
         cos/sin row r // heads (one angle table per position, shared by its heads). Needs D even.
@@ -90,13 +91,14 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
 // Plain RMSNorm of rows whose D·sizeof(T) is a multiple of 16 (x, w, out 16-byte aligned): thread t holds
 // chunks t, t + 32·W, ... (at most MAXV of 16 bytes) of the row and of w in registers, all loaded before
 // the first use. Same statistic order rules as rms_norm (independent of N), same rounding.
+// x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out is [N, D] contiguous.
 template <typename T, int MAXV>
 __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int D,
-                             float eps) {
+                             int ld, float eps) {
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, nv = D / VW;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)row * D);
+  const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)row * ld);
   const uint4* wr = reinterpret_cast<const uint4*>(w);
   uint4* o = reinterpret_cast<uint4*>(out + (i64)row * D);
   uint4 xv[MAXV], wv[MAXV];
@@ -143,31 +145,45 @@ _TYPE = {torch.float32: "float", torch.bfloat16: "u16"}
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
              sin: torch.Tensor | None = None) -> torch.Tensor:
     D = x.shape[-1]
-    assert x.is_cuda and x.is_contiguous() and x.dtype in _TYPE, (x.shape, x.dtype)
+    assert x.is_cuda and x.dtype in _TYPE, (x.shape, x.dtype)
     assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
+    ld = _row_stride(x) if cos is None else None
+    if ld is None:  # the general kernel (and RoPE) reads contiguous rows
+        x, ld = x.contiguous(), D
     heads = 1
     if cos is not None:
         heads = x.shape[-2]
         assert D % 2 == 0 and sin is not None, D
         for t in (cos, sin):
             assert t.dtype == x.dtype and t.is_contiguous() and t.numel() * heads == x.numel(), (t.shape, x.shape)
-    out = torch.empty_like(x)
-    N = x.numel() // D if D else 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    N = out.numel() // D if D else 0
     if N == 0:
         return out
     kernels = get_kernels(cuda_source(CODE), NAMES)
     warps = min(8, max(1, D // ELEMS_PER_WARP))
     chunks = D * x.element_size() // 16
-    if cos is None and D * x.element_size() % 16 == 0 and chunks <= 32 * 32 * VEC_CHUNKS and all(
-            t.data_ptr() % 16 == 0 for t in (x, weight, out)):
+    if cos is None and (D * x.element_size()) % 16 == 0 and (ld * x.element_size()) % 16 == 0 \
+            and chunks <= 32 * 32 * VEC_CHUNKS and all(t.data_ptr() % 16 == 0 for t in (x, weight, out)):
         warps = max(warps, -(-chunks // (32 * VEC_CHUNKS)))  # every chunk in one thread's registers
-        launch(kernels[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], N, 32 * warps, x, weight, out, D, float(eps))
+        launch(kernels[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], N, 32 * warps, x, weight, out, D, ld,
+               float(eps))
         return out
+    x = x.contiguous()  # a strided view that missed the 16-byte path
     none = np.uint64(0)
     ker = kernels[f"rms_norm<{_TYPE[x.dtype]}>"]
     launch(ker, N, 32 * warps, x, weight, none if cos is None else cos, none if sin is None else sin,
            out, N, D, heads, float(eps))
     return out
+
+
+def _row_stride(x: torch.Tensor) -> int | None:
+    """Elements between x's rows when x is contiguous or a [N, D] view with a contiguous last dim; else None."""
+    if x.is_contiguous():
+        return x.shape[-1]
+    if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]:
+        return x.stride(0)
+    return None
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,

@@ -14,6 +14,7 @@ from kernels import mla_tree_attention as mla_mod
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
 from kernels.moe_w4a16 import moe_w4a16, moe_w4a16_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.silu_mul import silu_mul, silu_mul_ref
 from kernels.tree_accept import tree_accept, tree_accept_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -396,3 +397,38 @@ def test_rms_norm_row_does_not_depend_on_its_batch():
     w = torch.randn(7168, device="cuda").bfloat16()
     batch = rms_norm(x, w, 1e-6)
     assert all(torch.equal(rms_norm(x[r: r + 1].contiguous(), w, 1e-6)[0], batch[r]) for r in (0, 5, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [(0, 1536), (1536, 2048), (3, 515)])  # (3, 515): rows not 16-byte aligned
+def test_rms_norm_column_block_of_wider_rows(dtype, cols):
+    """A [T, D] column block of wider rows (the fused q/kv latent projection's output) is normed in place
+    of a copy: equal to the reference of the same block made contiguous, and to the kernel on that copy."""
+    g = torch.Generator("cuda").manual_seed(cols[0])
+    wide = (torch.randn(17, 2112, generator=g, device="cuda") * 3).to(dtype)
+    x = wide[:, cols[0]: cols[1]]
+    w = (1 + 0.5 * torch.randn(x.shape[1], generator=g, device="cuda")).to(dtype)
+    poison_allocator()
+    got, want = rms_norm(x, w, 1e-6), rms_norm_ref(x.contiguous(), w, 1e-6)
+    assert got.is_contiguous() and got.shape == x.shape
+    if x.data_ptr() % 16 == 0:  # the same 16-byte path as on the copy (unaligned rows take the scalar loop)
+        assert torch.equal(got, rms_norm(x.contiguous(), w, 1e-6))
+    err, scale = float((got.float() - want.float()).abs().max()), float(want.float().abs().max())
+    assert err <= (1e-5 if dtype == torch.float32 else 2**-7) * scale, (err, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, I", [(1, 2048), (3, 18432), (17, 384), (63, 100), (5, 7)])  # I = 100, 7: scalar path
+def test_silu_mul(T, I, dtype):
+    """Against torch's two-launch path over the column views; both round silu to the dtype before the product."""
+    g = torch.Generator("cuda").manual_seed(T * 1000 + I)
+    gate_up = (torch.randn(T, 2 * I, generator=g, device="cuda") * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp overflow / underflow, zero
+    poison_allocator()
+    got, want = silu_mul(gate_up), silu_mul_ref(gate_up)
+    assert got.shape == (T, I) and got.dtype == dtype and torch.isfinite(got).all()
+    if dtype == torch.bfloat16:  # expf may differ from torch's exp by an ulp of fp32: rarely a bf16 ulp
+        assert float((got == want).float().mean()) >= 0.999
+        assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -32,8 +32,12 @@ def case(T: int, h: int, nope: int, R: int, C: int, dtype: torch.dtype, slots_to
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T, h, nope, R, C", [(1, 10, 128, 64, 512), (3, 10, 128, 64, 512), (17, 64, 128, 64, 512),
                                               (63, 1, 128, 64, 512), (17, 6, 32, 16, 64), (5, 3, 8, 2, 8)])
-def test_mla_rope_equals_the_model_math(T, h, nope, R, C, dtype):
+@pytest.mark.parametrize("wide", [False, True])  # kv a column block of wider rows (the fused latent projection)
+def test_mla_rope_equals_the_model_math(T, h, nope, R, C, dtype, wide):
     q, kv, c, cos, sin, cache, slots = case(T, h, nope, R, C, dtype)
+    if wide:  # NaN around the block: a read outside it shows
+        nan = torch.full((T, 7), float("nan"), dtype=dtype, device="cuda")
+        kv = torch.cat([nan, kv, nan[:, :5]], dim=-1)[:, 7: 7 + C + R]
     want_cache = cache.clone()
     want_cache[slots] = torch.cat([c, apply_rope(kv[:, C:], cos, sin)], dim=-1)  # as mla_forward writes it
     want_q = apply_rope(q[..., nope:], cos[:, None, :], sin[:, None, :])

@@ -14,7 +14,7 @@ CUDA graph. Both compute the attention core in fp32; K2.6 shapes on GPU use the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,12 @@ LATENT_NORM_EPS = 1e-6
 
 @dataclass(frozen=True)
 class MLAWeights:
-    """Checkpoint names under `self_attn.`; [out, in] like nn.Linear."""
+    """Checkpoint names under `self_attn.`; [out, in] like nn.Linear.
+
+    The two latent projections read the same x, so they are stored as the row blocks of one tensor
+    `qkv_a_proj` [q_lora_rank + kv_lora_rank + qk_rope_head_dim, H] and run as one GEMM (K2.6, 16 rows:
+    one 30 MB GEMM instead of a split-K 22 MB one plus its reduce and an 8 MB one); `q_a_proj` and
+    `kv_a_proj_with_mqa` are views of it."""
 
     q_a_proj: torch.Tensor  # [q_lora_rank, H]
     q_a_layernorm: torch.Tensor  # [q_lora_rank]
@@ -41,6 +46,16 @@ class MLAWeights:
     kv_a_layernorm: torch.Tensor  # [kv_lora_rank]
     kv_b_proj: torch.Tensor  # [heads_local * (qk_nope_head_dim + v_head_dim), kv_lora_rank], per head [W_UK ; W_UV]
     o_proj: torch.Tensor  # [H, heads_local * v_head_dim]
+    qkv_a_proj: torch.Tensor | None = field(init=False, repr=False)  # [q_a_proj ; kv_a_proj_with_mqa]
+
+    def __post_init__(self) -> None:  # views of one new tensor: the weights are held once
+        if self.q_a_proj is None or self.kv_a_proj_with_mqa is None:
+            object.__setattr__(self, "qkv_a_proj", None)
+            return
+        fused, q = torch.cat([self.q_a_proj, self.kv_a_proj_with_mqa]), self.q_a_proj.shape[0]
+        object.__setattr__(self, "qkv_a_proj", fused)
+        object.__setattr__(self, "q_a_proj", fused[:q])
+        object.__setattr__(self, "kv_a_proj_with_mqa", fused[q:])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
@@ -60,10 +75,11 @@ def _projections(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> q [T, h, nope + rope], kv_a output [T, kv_lora + rope], normed latent c [T, kv_lora]
     (the rope part of kv is not normalized). fused: kernels for the norms and few-row projections."""
-    heads = w.q_b_proj.shape[0] // cfg.qk_head_dim
-    q_lat = rms_norm(project(x, w.q_a_proj, fused), w.q_a_layernorm, LATENT_NORM_EPS, fused)  # [T, q_lora]
+    heads, q_lora = w.q_b_proj.shape[0] // cfg.qk_head_dim, w.q_a_proj.shape[0]
+    qkv = project(x, w.qkv_a_proj, fused)  # [T, q_lora + kv_lora + rope]
+    q_lat = rms_norm(qkv[:, :q_lora], w.q_a_layernorm, LATENT_NORM_EPS, fused)  # [T, q_lora]
     q = project(q_lat, w.q_b_proj, fused).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
-    kv = project(x, w.kv_a_proj_with_mqa, fused)  # [T, kv_lora + rope]
+    kv = qkv[:, q_lora:]  # [T, kv_lora + rope], rows q_lora + kv_lora + rope apart
     c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, fused)  # [T, kv_lora]
     return q, kv, c
 

@@ -10,7 +10,7 @@ experts outside the range contribute 0 here, so the ranks' routed outputs sum to
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,20 @@ ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out
 
 @dataclass(frozen=True)
 class MLPWeights:
-    """SwiGLU MLP: the dense layers' `mlp.*` and the MoE layers' `mlp.shared_experts.*`."""
+    """SwiGLU MLP: the dense layers' `mlp.*` and the MoE layers' `mlp.shared_experts.*`. Gate and up read the
+    same x: they are the row blocks of one tensor `gate_up_proj` [2I, H] and run as one GEMM; `gate_proj` and
+    `up_proj` are views of it."""
 
     gate_proj: torch.Tensor  # [I, H]
     up_proj: torch.Tensor  # [I, H]
     down_proj: torch.Tensor  # [H, I]
+    gate_up_proj: torch.Tensor = field(init=False, repr=False)  # [gate_proj ; up_proj]
+
+    def __post_init__(self) -> None:  # views of one new tensor: the weights are held once
+        fused, i = torch.cat([self.gate_proj, self.up_proj]), self.gate_proj.shape[0]
+        object.__setattr__(self, "gate_up_proj", fused)
+        object.__setattr__(self, "gate_proj", fused[:i])
+        object.__setattr__(self, "up_proj", fused[i:])
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,16 @@ class MoEWeights:
 
 
 def mlp(x: torch.Tensor, w: MLPWeights, kernel: bool = False) -> torch.Tensor:
-    """down(silu(gate x) ⊙ up x): [T, H] -> [T, H]. kernel: few-row projections by kernels/skinny_linear."""
-    return project(F.silu(project(x, w.gate_proj, kernel)) * project(x, w.up_proj, kernel), w.down_proj, kernel)
+    """down(silu(gate x) ⊙ up x): [T, H] -> [T, H]. kernel (CUDA): few-row projections by kernels/skinny_linear,
+    the activation by kernels/silu_mul."""
+    gate_up = project(x, w.gate_up_proj, kernel)  # [T, 2I]
+    if kernel and gate_up.is_cuda:
+        from kernels.silu_mul import fits, silu_mul
+
+        if fits(gate_up):
+            return project(silu_mul(gate_up), w.down_proj, kernel)
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    return project(F.silu(gate) * up, w.down_proj, kernel)
 
 
 def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
