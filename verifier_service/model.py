@@ -98,7 +98,7 @@ class K2Model:
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # fp32 [rope/2]
         # CPU keeps the reference path by default: its outputs are compared with HF transformers.
         self.sync_free = (use_kernels and self.device.type == "cuda") if sync_free is None else sync_free
-        self.fused = use_kernels and self.device.type == "cuda"  # kernels/rms_norm, mla_rope, skinny_linear
+        self.fused = use_kernels and self.device.type == "cuda"  # kernels/rms_norm, mla_rope, skinny_linear, silu_mul
         self.dense_experts = self._dense_experts() if self.sync_free else {}  # layer -> dense ExpertStack
 
     @torch.inference_mode()
