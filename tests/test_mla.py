@@ -122,3 +122,23 @@ def test_rope_depends_on_position_difference_only(tiny_model):
     rotated = apply_rope(e0, torch.cos(p * inv), torch.sin(p * inv))
     assert rotated[:2].tolist() == pytest.approx([math.cos(p * inv[0].item()), math.sin(p * inv[0].item())])
     assert rotated[2:].abs().max() == 0
+
+
+def test_fused_latent_and_gate_up_projections_are_held_once():
+    """q_a ; kv_a and gate ; up are concatenated at construction and the named fields become views of the
+    fused tensors: same values, and the memory a verifier rank reports counts each byte once."""
+    from verifier_service.moe import MLPWeights
+    from verifier_service.runner import weight_nbytes
+
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(shape, generator=g) for shape in ((24, 16), (24,), (40, 24), (12, 16), (8,), (64, 8),
+                                                            (16, 20))]
+    w = MLAWeights(*(p.clone() for p in parts))
+    assert torch.equal(w.qkv_a_proj, torch.cat([parts[0], parts[3]]))
+    assert torch.equal(w.q_a_proj, parts[0]) and torch.equal(w.kv_a_proj_with_mqa, parts[3])
+    assert w.kv_a_proj_with_mqa.untyped_storage().data_ptr() == w.qkv_a_proj.untyped_storage().data_ptr()
+    assert weight_nbytes(w) == sum(p.numel() * 4 for p in parts)
+    gate, up, down = (torch.randn(shape, generator=g) for shape in ((32, 16), (32, 16), (16, 32)))
+    mlp = MLPWeights(gate.clone(), up.clone(), down.clone())
+    assert torch.equal(mlp.gate_up_proj, torch.cat([gate, up])) and torch.equal(mlp.up_proj, up)
+    assert weight_nbytes([w, mlp]) == sum(p.numel() * 4 for p in parts) + 3 * 32 * 16 * 4

@@ -52,7 +52,7 @@ class Runner:
         self.model = K2Model(self.cfg, weights, all_reduce=ranks.all_reduce if world > 1 else identity,
                              all_gather=ranks.all_gather_columns(vocab_sizes) if split else identity,
                              use_kernels=config.kernels and self.device.type == "cuda")
-        self.weight_bytes = _nbytes(weights)
+        self.weight_bytes = weight_nbytes(weights)
         self.cache = PagedKVCache.from_budget(
             config.kv_cache_mb * 2**20, num_layers=self.cfg.num_hidden_layers, width=self.cfg.kv_cache_width,
             page_size=config.page_size, dtype=self.dtype, device=self.device)
@@ -141,15 +141,17 @@ class Runner:
             self.control.close()
 
 
-def _nbytes(obj) -> int:
-    """Bytes of every tensor reachable from a (nested) dataclass of weights, shared tensors once."""
+def weight_nbytes(obj) -> int:
+    """Bytes held by the tensors reachable from a (nested) dataclass of weights: each storage once, so views
+    (a fused projection's row blocks, tied embeddings) are not counted again."""
     seen, total, stack = set(), 0, [obj]
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
-            if x.data_ptr() not in seen:
-                seen.add(x.data_ptr())
-                total += x.numel() * x.element_size()
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
         elif hasattr(x, "__dataclass_fields__"):
