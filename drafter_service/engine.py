@@ -300,15 +300,19 @@ class DrafterEngine:
     def _draft_on_device(self, work, logits: torch.Tensor) -> list[Proposal]:
         """kernels/ddtree_build: per-depth log-softmax + top-K and the best-first tree on the GPU;
         only the trees cross to the host (same trees as tree.build_tree, ties included)."""
-        from kernels.ddtree_build import ddtree_build_host
+        from kernels.ddtree_build import ddtree_build
 
         item0 = work[0][1]
         chain = item0.mode == DraftMode.CHAIN
         k = 1 if chain else min(item0.tree_budget, self.model.vocab_size)
         budget = self.cfg.horizon if chain else item0.tree_budget
-        # one device→host copy of the batch's trees (the step's only sync)
-        tokens, parents, depths, count = ddtree_build_host(logits.contiguous(), k, budget)
-        trees = [Tree(tokens[b, :n], parents[b, :n], depths[b, :n]) for b, n in enumerate(count.tolist())]
+        tokens, parents, depths, count = ddtree_build(logits.contiguous(), k, budget)
+        # one device→host copy (the step's only sync): [B, 3 * budget + 1] int64
+        flat = torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1).cpu().numpy()
+        tokens, parents, depths = (flat[:, i * budget:(i + 1) * budget] for i in range(3))
+        count = flat[:, -1]
+        trees = [Tree(tokens[b, :n].copy(), parents[b, :n].astype(np.int32), depths[b, :n].astype(np.int32))
+                 for b, n in enumerate(count.tolist())]
         return [Proposal(item.session_id, tree, plan.length) for (_, item, plan), tree in zip(work, trees)]
 
 

@@ -1,7 +1,6 @@
 """DDTree construction on the device: per-depth log-softmax + top-K, then the best-first tree.
 
     ddtree_build(logits, k, budget) -> (tokens, parents, depths, count)
-    ddtree_build_host(logits, k, budget) -> the same as numpy arrays, in one device->host copy
 
 logits   [S, L, V] bf16 or fp32 contiguous: the drafter's block logits for depths 1..L (L <= 16)
 k        ranks kept per depth, 1 <= k <= min(64, V)
@@ -13,10 +12,7 @@ count    int32 [S]          nodes built (< budget only when L·k candidates run 
 
 Same tree as drafter_service/tree.py (topk_logprobs + build_tree): nodes in the order score
 descending, depth ascending, rank path ascending; scores are fp64 sums of fp32 log-probs. Top-k
-order is logit descending, then token id ascending, exactly (also on ties). The four outputs are views of
-one buffer (int64 tokens, then int32 parents, depths and count), so the drafter reads a step's trees with
-one copy and no conversion launches; the top-K scratch is one allocation too (host time on the drafter's
-critical path: each CUDA allocation or launch costs microseconds of Python).
+order is logit descending, then token id ascending, exactly (also on ties). Nothing leaves the device.
 
 One launch for budget <= TREE_WARP_MAX (ddtree_build.cu): every row is split into chunks of CHUNK
 logits, one block each (S·L·C blocks stream the logits once); the last block of a row merges the
@@ -29,7 +25,6 @@ from __future__ import annotations
 
 import heapq
 
-import numpy as np
 import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
@@ -56,11 +51,10 @@ def _fused(logits: torch.Tensor, k: int, budget: int, tree: tuple | None):
     chunk = NT * 64 // logits.element_size()  # 4 x 16 bytes per thread
     C = -(-V // chunk)
     dev = logits.device
-    n_ids, n_keys = S * L * k, S * L * C * k  # int64 ids and per-chunk keys, then fp32 lps and (max, sum)s
-    scratch = torch.empty(8 * (n_ids + n_keys) + 4 * (n_ids + 2 * S * L * C), dtype=torch.uint8, device=dev)
-    wide, narrow = scratch[: 8 * (n_ids + n_keys)].view(torch.int64), scratch[8 * (n_ids + n_keys):].view(torch.float32)
-    ids, part_keys = wide[:n_ids].view(S, L, k), wide[n_ids:]
-    lps, part_ms = narrow[:n_ids].view(S, L, k), narrow[n_ids:]
+    ids = torch.empty(S, L, k, dtype=torch.int64, device=dev)
+    lps = torch.empty(S, L, k, dtype=torch.float32, device=dev)
+    part_keys = torch.empty(S * L * C * k, dtype=torch.int64, device=dev)
+    part_ms = torch.empty(S * L * C * 2, dtype=torch.float32, device=dev)
     vec_ok = int(logits.data_ptr() % 16 == 0 and V * logits.element_size() % 16 == 0)
     name = "ddtree_fused<float>" if logits.dtype == torch.float32 else "ddtree_fused<u16>"
     outs = tree if tree is not None else (ids, ids, ids, ids)  # unused pointers without trees
@@ -85,30 +79,18 @@ def ddtree_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return _fused(logits, k, -1, None)
 
 
-def _tree_buffer(S: int, budget: int, dev) -> torch.Tensor:
-    """One uint8 buffer for a batch's trees: int64 tokens [S, budget], then int32 parents, depths [S, budget]
-    and count [S] (`_tree_views`)."""
-    return torch.empty(8 * S * budget + 4 * (2 * S * budget + S), dtype=torch.uint8, device=dev)
-
-
-def _tree_views(buf, S: int, budget: int, i64=torch.int64, i32=torch.int32):
-    """(tokens, parents, depths, count) views of a `_tree_buffer`; a numpy copy of one takes np.int64, np.int32."""
-    tokens = buf[: 8 * S * budget].view(i64).reshape(S, budget)
-    rest = buf[8 * S * budget:].view(i32)
-    return tokens, rest[: S * budget].reshape(S, budget), rest[S * budget: 2 * S * budget].reshape(S, budget), \
-        rest[2 * S * budget:]
-
-
 def _tree_outputs(S: int, budget: int, dev):
-    return _tree_views(_tree_buffer(S, budget, dev), S, budget)
+    return (torch.empty(S, budget, dtype=torch.int64, device=dev),
+            torch.empty(S, budget, dtype=torch.int32, device=dev),
+            torch.empty(S, budget, dtype=torch.int32, device=dev), torch.empty(S, dtype=torch.int32, device=dev))
 
 
-def ddtree_tree(ids: torch.Tensor, lps: torch.Tensor, budget: int, out: tuple | None = None):
-    """Top-k tables [S, L, k] -> (tokens, parents, depths, count) as in `ddtree_build` (into `out`'s views)."""
+def ddtree_tree(ids: torch.Tensor, lps: torch.Tensor, budget: int):
+    """Top-k tables [S, L, k] -> (tokens, parents, depths, count) as in `ddtree_build`."""
     S, L, k = ids.shape
     assert ids.dtype == torch.int64 and lps.dtype == torch.float32 and lps.shape == ids.shape
     assert ids.is_contiguous() and lps.is_contiguous() and L <= 16 and k <= 64 and 0 <= budget <= 1024
-    out = _tree_outputs(S, budget, ids.device) if out is None else out
+    out = _tree_outputs(S, budget, ids.device)
     if S:
         smem = (2 * budget + 1) * ENTRY_BYTES if budget > TREE_WARP_MAX else 0
         launch(get_kernels(cuda_source(CODE), NAMES)["ddtree_tree"], S, 32, ids, lps, S, L, k, budget, *out,
@@ -117,27 +99,14 @@ def ddtree_tree(ids: torch.Tensor, lps: torch.Tensor, budget: int, out: tuple | 
 
 
 def ddtree_build(logits: torch.Tensor, k: int, budget: int):
-    return _tree_views(_build(logits, k, budget), logits.shape[0], budget)
-
-
-def ddtree_build_host(logits: torch.Tensor, k: int, budget: int):
-    """`ddtree_build` -> numpy (tokens int64, parents int32, depths int32 [S, budget], count int32 [S]): one
-    device->host copy, which waits for the launch."""
-    return _tree_views(_build(logits, k, budget).cpu().numpy(), logits.shape[0], budget, np.int64, np.int32)
-
-
-def _build(logits: torch.Tensor, k: int, budget: int) -> torch.Tensor:
-    """The batch's trees in a `_tree_buffer`."""
     _check_logits(logits, k)
     assert 0 <= budget <= 1024
     S, L, _ = logits.shape
-    buf = _tree_buffer(S, budget, logits.device)
-    out = _tree_views(buf, S, budget)
     if S * L == 0 or budget > TREE_WARP_MAX:
-        ddtree_tree(*ddtree_topk(logits, k), budget, out=out)
-    else:
-        _fused(logits, k, budget, out)
-    return buf
+        return ddtree_tree(*ddtree_topk(logits, k), budget)
+    out = _tree_outputs(S, budget, logits.device)
+    _fused(logits, k, budget, out)
+    return out
 
 
 def ddtree_topk_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
