@@ -44,7 +44,8 @@ def test_mla_ref_matches_attend_absorbed():
     cfg = types.SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=512, v_head_dim=512,
                                 softmax_scale=0.1)
     eye = torch.eye(512).repeat(heads, 2, 1)  # W_UK = W_UV = I: q_lat = q_nope, output = o_lat
-    w = MLAWeights(*[None] * 5, kv_b_proj=eye, o_proj=None)
+    unused = torch.zeros(1, 1)  # the latent projections, norms and o_proj: attend_absorbed reads only kv_b
+    w = MLAWeights(*[unused] * 5, kv_b_proj=eye, o_proj=unused)
     seqs = [SeqRows([0] * n, [int(p) for p in _parents(mask[s:s + n, :n])], pre, table[b].tolist(),
                     slots[s:s + n].tolist()) for b, (n, pre, s) in enumerate(zip(rows, prefixes, starts.tolist()))]
     plan = build_plan(seqs)

@@ -46,12 +46,9 @@ class MLAWeights:
     kv_a_layernorm: torch.Tensor  # [kv_lora_rank]
     kv_b_proj: torch.Tensor  # [heads_local * (qk_nope_head_dim + v_head_dim), kv_lora_rank], per head [W_UK ; W_UV]
     o_proj: torch.Tensor  # [H, heads_local * v_head_dim]
-    qkv_a_proj: torch.Tensor | None = field(init=False, repr=False)  # [q_a_proj ; kv_a_proj_with_mqa]
+    qkv_a_proj: torch.Tensor = field(init=False, repr=False)  # [q_a_proj ; kv_a_proj_with_mqa]
 
     def __post_init__(self) -> None:  # views of one new tensor: the weights are held once
-        if self.q_a_proj is None or self.kv_a_proj_with_mqa is None:
-            object.__setattr__(self, "qkv_a_proj", None)
-            return
         fused, q = torch.cat([self.q_a_proj, self.kv_a_proj_with_mqa]), self.q_a_proj.shape[0]
         object.__setattr__(self, "qkv_a_proj", fused)
         object.__setattr__(self, "q_a_proj", fused[:q])
