@@ -11,6 +11,11 @@ __device__ __forceinline__ u16 f2bf(float f) {  // round to nearest even, NaN st
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
 }
+// Scalar fp32 <-> element of a kernel templated over fp32 and bf16 (raw u16 bits).
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ float load_f32(const u16* p) { return bf2f(*p); }
+__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_f32(u16* p, float v) { *p = f2bf(v); }
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   u32 r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));

@@ -24,16 +24,11 @@ import torch
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = r"""
-__device__ __forceinline__ float ld(const float* p) { return *p; }
-__device__ __forceinline__ float ld(const u16* p) { return bf2f(*p); }
-__device__ __forceinline__ void st(float* p, float v) { *p = v; }
-__device__ __forceinline__ void st(u16* p, float v) { *p = f2bf(v); }
-
 template <typename T>
 __device__ __forceinline__ void rotate(const T* x, T* out, float c, float s) {
-  const float e = ld(x), o = ld(x + 1);
-  st(out, __fsub_rn(__fmul_rn(e, c), __fmul_rn(o, s)));
-  st(out + 1, __fadd_rn(__fmul_rn(e, s), __fmul_rn(o, c)));
+  const float e = load_f32(x), o = load_f32(x + 1);
+  store_f32(out, __fsub_rn(__fmul_rn(e, c), __fmul_rn(o, s)));
+  store_f32(out + 1, __fadd_rn(__fmul_rn(e, s), __fmul_rn(o, c)));
 }
 
 // One block per row t: the cache row [c | rope(k_rope)] and the h·R/2 pairs of q's rope parts.

@@ -19,12 +19,8 @@ import torch.nn.functional as F
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = r"""
-__device__ __forceinline__ float ld(const float* p) { return *p; }
-__device__ __forceinline__ float ld(const u16* p) { return bf2f(*p); }
-__device__ __forceinline__ float rnd(float v, const float*) { return v; }
+__device__ __forceinline__ float rnd(float v, const float*) { return v; }  // v rounded to the element type
 __device__ __forceinline__ float rnd(float v, const u16*) { return bf2f(f2bf(v)); }
-__device__ __forceinline__ void st(float* p, float v) { *p = v; }
-__device__ __forceinline__ void st(u16* p, float v) { *p = f2bf(v); }
 
 // Grid (T, ceil(I / (VW·blockDim))): thread i of row t handles VW consecutive outputs (one 16-byte chunk of
 // gate, of up and of act) when I·sizeof(T) is a multiple of 16, else VW = 1 (the scalar template).
@@ -45,8 +41,8 @@ __global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int I) {
   }
 #pragma unroll
   for (int j = 0; j < VW; ++j) {
-    const float x = ld(gv + j), s = rnd(x / (1.f + expf(-x)), gv);
-    st(ov + j, s * ld(uv + j));
+    const float x = load_f32(gv + j), s = rnd(x / (1.f + expf(-x)), gv);
+    store_f32(ov + j, s * load_f32(uv + j));
   }
   if (VW > 1) *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(ov);
   else o[0] = ov[0];
