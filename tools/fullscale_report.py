@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-
-import torch
 
 # reference/perf.md §3.3, scheme (b1) on 7×H200 at 8k context (weights + KV, attention, all-reduces),
 # for the layout the design targets (shared expert, dense MLP and lm_head split /7): a reference column.
@@ -25,34 +22,10 @@ PERF_MD_B1_MS = {1: 2.87, 8: 6.70, 16: 9.68, 32: 14.2, 64: 20.0, 128: 26.5}
 TAUS = (3, 5, 7)
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes read + written per second of a large copy on `device` (CPU: 256 MiB, best of 5)."""
-    if device.startswith("cuda"):
-        from verifier_service.bench_verify import copy_bandwidth as cuda_copy
-
-        return cuda_copy()
-    a = torch.empty(256 << 20, dtype=torch.uint8)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() / best
-
-
-def drafter_bytes(dcfg, vocab: int, context: int, itemsize: int = 2) -> float:
-    """One draft round: the drafter's weights, the target lm_head (block logits) and `context` KV rows."""
-    H, hd, I = dcfg.hidden_size, dcfg.head_dim, dcfg.intermediate_size
-    attn = H * hd * (2 * dcfg.num_attention_heads + 2 * dcfg.num_key_value_heads)
-    layers = dcfg.num_hidden_layers * (attn + 3 * H * I)
-    kv = context * dcfg.num_hidden_layers * 2 * dcfg.num_key_value_heads * hd
-    return itemsize * (dcfg.feature_width * H + layers + vocab * H + kv)
-
-
 def floors(cfg, dcfg, world: int, sizes: list[int], prefix: int, bandwidth: float) -> dict[str, dict]:
     """str(tree size N) (JSON keys) -> verify / draft floor ms and tokens/s floors (AR for N = 1, else
     for each τ in TAUS up to N)."""
+    from drafter_service.bench_draft import drafter_bytes
     from verifier_service.bench_verify import floor_bytes_world
 
     draft_ms = 1e3 * drafter_bytes(dcfg, cfg.vocab_size, min(prefix, 4096)) / bandwidth

@@ -52,6 +52,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from drafter_service.bench_draft import drafter_bytes
+from kernels import bench
 from tools import fullscale_report as report
 # Process and /metrics helpers shared with `ddtree bench spec --e2e`.
 from tools.spec_e2e import REPO, _free_port, _generate, _metric_sums, _service_env, _wait_serving
@@ -285,7 +287,7 @@ def process_memory(args, ports: dict[str, int]) -> list[dict]:
     with grpc.insecure_channel(f"127.0.0.1:{ports['drafter']}") as ch:
         dinfo = dpb_grpc.DrafterStub(ch).GetInfo(dpb.GetDrafterInfoRequest(), timeout=10)
     dcfg, item = preset_config(args.preset, args.layers), 2 if args.device == "cuda" else 4
-    weights = report.drafter_bytes(dcfg, dinfo.vocab_size, 0, item) + item * dinfo.vocab_size * dcfg.hidden_size
+    weights = drafter_bytes(dcfg, dinfo.vocab_size, 0, item) + item * dinfo.vocab_size * dcfg.hidden_size
     drafter = {"process": "drafter", "device": f"cuda:{args.gpu_list[0]}" if args.device == "cuda" else "cpu",
                "weight_bytes": weights, "kv_cache_bytes": dinfo.cache_bytes_budget}
     ranks = [{"process": f"verifier rank {m.rank}", "device": m.device, "weight_bytes": m.weight_bytes,
@@ -296,8 +298,8 @@ def process_memory(args, ports: dict[str, int]) -> list[dict]:
 def copy_bandwidth(args) -> float:
     """Measured on a verifier GPU in a child process, before the services take the memory."""
     if args.device == "cpu":
-        return report.copy_bandwidth("cpu")
-    code = "from tools.fullscale_report import copy_bandwidth; print(copy_bandwidth('cuda'))"
+        return bench.copy_bandwidth("cpu")
+    code = "from kernels.bench import copy_bandwidth; print(copy_bandwidth('cuda'))"
     env = {**service_env("cuda"), "CUDA_VISIBLE_DEVICES": str(args.gpu_list[1])}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300, check=True)

@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from kernels.bench import copy_bandwidth
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service import ranks
 from verifier_service.model import K2Model, identity
@@ -35,20 +36,6 @@ def add_parser(bsub) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.set_defaults(func=main)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def time_ms(fn, iters: int) -> float:

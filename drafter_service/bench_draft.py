@@ -1,0 +1,123 @@
+"""`ddtree bench draft --preset k26`: the drafter's Propose at full dimensions, engine only, one device.
+
+A random DFlash drafter of the preset (synthetic.py; `k26` is Kimi's: 6 layers, hidden 7168, 64 / 8 heads of
+128, intermediate 18432, block 8, vocab 163840) behind the served engine: CUDA graphs, kernels/ddtree_build for
+k <= 64, the host heap above. One session whose drafter cache already holds `--context` rows; each timed
+Propose brings `--new-rows` feature rows from the host (the previous step's accepted path, as the verifier
+sends them) and drafts one tree. Per budget: median and p90 wall time of `DrafterEngine.propose` (device sync
+included), the bandwidth floor (`drafter_bytes` ÷ the copy bandwidth measured in the same run) and the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+PRESETS = ("k26", "k26-mini")
+CHAIN = "chain"
+
+
+def drafter_bytes(dcfg, vocab: int, context: int, itemsize: int = 2) -> float:
+    """Bytes one draft round must read: every drafter weight (fc, attention and MLP of each layer; the RMSNorm
+    vectors left out), the target's lm_head the block's logits multiply by, and `context` rows of drafter
+    K/V (each layer, K and V, kv heads × head_dim). The embedding reads only the block's rows: not counted."""
+    H, hd, I = dcfg.hidden_size, dcfg.head_dim, dcfg.intermediate_size
+    attn = H * hd * (2 * dcfg.num_attention_heads + 2 * dcfg.num_key_value_heads)
+    layers = dcfg.num_hidden_layers * (attn + 3 * H * I)
+    kv = context * dcfg.num_hidden_layers * 2 * dcfg.num_key_value_heads * hd
+    return itemsize * (dcfg.feature_width * H + layers + vocab * H + kv)
+
+
+def add_parser(bsub) -> None:
+    p = bsub.add_parser("draft", help="time one drafter Propose at full dimensions (engine only, one device)")
+    p.add_argument("--preset", default="k26", choices=PRESETS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--context", type=int, default=4096, help="rows in the session's drafter cache before timing")
+    p.add_argument("--new-rows", type=int, default=4, help="feature rows each Propose brings (accepted path)")
+    p.add_argument("--budgets", default="chain,8,16,32,64,128", help="tree budgets; 'chain' = the block's chain")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", help="also write the rows as JSON lines here")
+    p.set_defaults(func=main)
+
+
+def _engine(args):
+    from drafter_service.engine import DrafterEngine, EngineOptions
+    from drafter_service.kv_cache import page_bytes
+    from drafter_service.synthetic import random_drafter
+
+    model = random_drafter(args.preset, device=args.device, dtype=getattr(torch, args.dtype))
+    cfg = model.cfg
+    window = 4096  # the served default (EngineOptions.window); pages behind it are freed as the session grows
+    pages = 2 * (window // 64 + 1) + 2
+    nbytes = pages * page_bytes(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim, model.fc.weight.dtype)
+    engine = DrafterEngine(model, EngineOptions(cache_bytes=nbytes, window=window), name=f"synthetic-{args.preset}")
+    engine.warm_up()
+    return engine
+
+
+def _timed_proposes(engine, args, budget: str, position: int, gen: torch.Generator) -> tuple[list[float], int]:
+    """`args.iters` Proposes (after 3 untimed) of one budget; their seconds and the session's next position."""
+    from drafter_service.engine import DraftMode, ProposeItem
+
+    cfg, vocab = engine.cfg, engine.model.vocab_size
+    chain = budget == CHAIN
+    rows = [torch.randn(args.new_rows, cfg.feature_width, generator=gen).to(engine.dtype) for _ in range(8)]
+    seconds = []
+    for i in range(args.iters + 3):
+        item = ProposeItem("bench", position, rows[i % len(rows)], int(torch.randint(vocab, (1,), generator=gen)),
+                           tree_budget=0 if chain else int(budget), mode=DraftMode.CHAIN if chain else DraftMode.DDTREE)
+        t0 = time.perf_counter()
+        (result,) = engine.propose([item])
+        if i >= 3:
+            seconds.append(time.perf_counter() - t0)
+        if not hasattr(result, "tree"):
+            raise RuntimeError(f"Propose failed: {result}")
+        position += args.new_rows
+    return seconds, position
+
+
+def main(args) -> int:
+    from drafter_service.engine import ProposeItem
+    from kernels.bench import copy_bandwidth
+
+    gen = torch.Generator().manual_seed(0)
+    engine = _engine(args)
+    cfg, vocab = engine.cfg, engine.model.vocab_size
+    context = torch.randn(args.context, cfg.feature_width, generator=gen).to(engine.dtype)
+    engine.propose([ProposeItem("bench", 0, context, 0, tree_budget=8, reset=True)])  # the prefix, injected once
+    bw = copy_bandwidth(args.device)
+    attended = min(args.context, engine.options.window or args.context)
+    floor_ms = 1e3 * drafter_bytes(cfg, vocab, attended, engine.model.fc.weight.element_size()) / bw
+    print(f"# {args.preset} drafter ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
+          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}; context {args.context} rows "
+          f"({attended} attended), {args.new_rows} new rows per Propose; copy {bw / 1e9:.0f} GB/s")
+    print(f"{'budget':>7} {'median ms':>10} {'p90 ms':>8} {'floor ms':>9} {'median/floor':>13}")
+    position, out = args.context, []
+    for budget in args.budgets.split(","):
+        seconds, position = _timed_proposes(engine, args, budget.strip(), position, gen)
+        median, p90 = statistics.median(seconds) * 1e3, sorted(seconds)[int(0.9 * (len(seconds) - 1))] * 1e3
+        out.append(dict(budget=budget.strip(), median_ms=median, p90_ms=p90, floor_ms=floor_ms, preset=args.preset,
+                        device=_device_name(args.device), dtype=args.dtype, context=args.context,
+                        new_rows=args.new_rows))
+        print(f"{budget.strip():>7} {median:>10.3f} {p90:>8.3f} {floor_ms:>9.3f} {median / floor_ms:>13.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in out)
+    return 0
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+if __name__ == "__main__":  # without the `ddtree` entry point (e.g. on a machine without the gRPC stubs)
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="bench_draft")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    sys.exit(main(parser.parse_args(["draft", *sys.argv[1:]])))
