@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .kv_cache import KVPool, context_from_tables
-from .model import DFlashDrafter
+from .model import DFlashDrafter, PagedContext
 
 INJECT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -43,8 +43,13 @@ def block_logits(model: DFlashDrafter, pool: KVPool, block_ids: torch.Tensor, bl
     """block_ids/block_pos [B, Bk], page_table [B, P], meta [B, 3] (kv_cache.context_tables) → fp32 logits
     [B, Bk-1, V] of the block's slots 1.. (slot 0, the anchor, predicts nothing)."""
     ctx = context_from_tables(page_table, meta, pool.page_size)
-    hidden = model.forward_block(block_ids, block_pos, ctx.positions, ctx.valid,
-                                 lambda layer: pool.gather(layer, ctx.slots))
+    if model.paged_attention:  # kernels/dflash_attention reads the pool's pages itself
+        def layer_ctx(layer: int) -> PagedContext:
+            return PagedContext(pool.k[layer], pool.v[layer], page_table, pool.page_size)
+    else:
+        def layer_ctx(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return pool.gather(layer, ctx.slots)
+    hidden = model.forward_block(block_ids, block_pos, ctx.positions, ctx.valid, layer_ctx)
     return model.logits(hidden[:, 1:])
 
 

@@ -12,6 +12,7 @@ Parameter names equal the released checkpoint's tensor names (without the option
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -85,10 +86,18 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)
         return k, self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
-    def forward(self, a, cos, sin, ctx_k, ctx_v, mask):
-        """a [B, Bk, H] normed block; cos/sin [B, Bk, 1, hd]; ctx_k/ctx_v [B, Lc, nkv, hd]; mask [B, Bk, Lc+Bk]."""
+    def forward(self, a, cos, sin, ctx, mask):
+        """a [B, Bk, H] normed block; cos/sin [B, Bk, 1, hd]; ctx: the context's (K, V), each [B, Lc, nkv, hd],
+        or a PagedContext; mask [B, Bk, Lc+Bk]."""
         q = self.q_norm(self.q_proj(a).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
         k_blk, v_blk = self.kv(a, cos, sin)
+        if isinstance(ctx, PagedContext):
+            from kernels.dflash_attention import dflash_attention
+
+            out = dflash_attention(q, ctx.k, ctx.v, ctx.page_table, ctx.page_size, k_blk, v_blk, mask,
+                                   self.head_dim**-0.5)
+            return self.o_proj(out.flatten(2))
+        ctx_k, ctx_v = ctx
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, nkv, Lc+Bk, hd]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
@@ -115,13 +124,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# ctx_kv(layer) → (K, V) of the sessions' visible context for that layer, each [B, Lc, nkv, hd].
-ContextKV = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+@dataclass(frozen=True)
+class PagedContext:
+    """One layer's context K/V left where the drafter's pool holds them: kernels/dflash_attention reads the
+    pages directly (no gather, no cat). Key j of sequence b: slot page_table[b, j // page_size] · page_size +
+    j % page_size of k / v."""
+    k: torch.Tensor  # [slots, nkv, hd] one layer of KVPool.k
+    v: torch.Tensor  # [slots, nkv, hd] one layer of KVPool.v
+    page_table: torch.Tensor  # [B, P] int64
+    page_size: int
+
+
+# ctx_kv(layer) → the sessions' visible context for that layer: (K, V), each [B, Lc, nkv, hd], or a PagedContext.
+ContextKV = Callable[[int], "tuple[torch.Tensor, torch.Tensor] | PagedContext"]
 
 
 class DFlashDrafter(nn.Module):
@@ -138,12 +158,20 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_tokens", torch.empty(vocab_size, cfg.hidden_size), persistent=False)
         self.register_buffer("lm_head", torch.empty(vocab_size, cfg.hidden_size), persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.paged_attention = False  # use_kernels sets it
 
     def use_kernels(self, on: bool) -> None:
-        """Fused RMSNorm(+RoPE) kernel for every norm on CUDA (CPU always runs the torch math)."""
+        """On CUDA: the fused RMSNorm(+RoPE) kernel for every norm, and kernels/dflash_attention for the block
+        attention where its shapes allow (`paged_attention`: callers then pass PagedContext). CPU always runs
+        the torch math."""
+        from kernels.dflash_attention import supports
+
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fused = on and m.weight.is_cuda
+        cfg, w = self.cfg, self.fc.weight
+        self.paged_attention = on and w.is_cuda and supports(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                             cfg.head_dim, cfg.block_size, w.dtype)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] int64 → cos, sin [..., 1, hd] (the 1 broadcasts over heads), amplitude folded in."""
@@ -171,8 +199,7 @@ class DFlashDrafter(nn.Module):
             window = self.cfg.layer_window(i)
             if window not in masks:
                 masks[window] = block_mask(block_pos, ctx_pos, ctx_valid, window)
-            ctx_k, ctx_v = ctx_kv(i)
-            x = layer(x, cos, sin, ctx_k, ctx_v, masks[window])
+            x = layer(x, cos, sin, ctx_kv(i), masks[window])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

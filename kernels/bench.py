@@ -326,14 +326,42 @@ def bench_ddtree(copy_bw: float, build=None) -> list[dict]:
     return rows
 
 
+# (sessions, context pages of 64 keys, q heads, kv heads, head dim): Kimi's DFlash drafter (64 / 8 x 128) at 1K
+# and 4K context, 8 sessions; the tiny drafter (6 / 2 x 64). Block 8.
+DFLASH_CASES = ((1, 16, 64, 8, 128), (1, 65, 64, 8, 128), (8, 65, 64, 8, 128), (1, 4, 6, 2, 64))
+
+
+def bench_dflash(copy_bw: float) -> list[dict]:
+    """dflash_attention against its reference; bytes = the visible keys' K and V (4 copies rotated: > L2)."""
+    from kernels.dflash_attention import dflash_attention, dflash_attention_ref
+
+    rows = []
+    for B, pages, nh, nkv, hd in DFLASH_CASES:
+        slots, Bk = B * pages * 64, 8
+        cases = []
+        for _ in range(4):
+            pool = torch.randn(2, slots, nkv, hd, device="cuda").bfloat16()
+            table = torch.randperm(B * pages, device="cuda").view(B, pages)
+            q = torch.randn(B, Bk, nh, hd, device="cuda").bfloat16()
+            blk = torch.randn(2, B, Bk, nkv, hd, device="cuda").bfloat16()
+            mask = torch.ones(B, 1, pages * 64 + Bk, dtype=torch.bool, device="cuda").expand(-1, Bk, -1)
+            cases.append((q, pool[0], pool[1], table, 64, blk[0], blk[1], mask, hd**-0.5))
+        t = gpu_time([lambda c=c: dflash_attention(*c) for c in cases])
+        t_ref = gpu_time([lambda: dflash_attention_ref(*cases[0])], reps=5, graph=False)
+        nbytes = B * (pages * 64 + Bk) * nkv * hd * 2 * 2
+        rows.append(_row("dflash_attention", f"sessions={B} keys={pages * 64} heads={nh}/{nkv}x{hd}", t, nbytes,
+                         copy_bw, t_ref))
+    return rows
+
+
 def main(preset: str = "k26", out: str | None = None, only: str | None = None) -> int:
     assert preset == "k26" and torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []
-    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_ddtree):
-        if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree
+    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_ddtree, bench_dflash):
+        if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree / dflash
             rows += bench(bw)
     print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
           f"{'ref us':>10} {'x ref':>6}")

@@ -53,7 +53,7 @@ def block_logits(d: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor, an
     mask = torch.cat([sees_ctx, sees_blk], dim=2)  # [B, A*Bk, S + A*Bk]
     for layer in d.layers:
         ctx_k, ctx_v = layer.self_attn.kv(c, cos_c, sin_c)
-        x = layer(x, cos_b, sin_b, ctx_k, ctx_v, mask)
+        x = layer(x, cos_b, sin_b, (ctx_k, ctx_v), mask)
     hidden = d.norm(x).view(B, A, Bk, -1)[:, :, 1:]  # [B, A, Bk-1, H]
     return d.logits(hidden)  # fp32, through the target's lm_head
 
