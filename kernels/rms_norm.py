@@ -1,7 +1,6 @@
 """RMSNorm in one launch, optionally followed by rotate-half RoPE (the drafter's q_norm/k_norm + RoPE).
 
     rms_norm(x, weight, eps, cos=None, sin=None) -> out   (new tensor, x's shape and dtype)
-    add_rms_norm(x, delta, weight, eps) -> (h, out)      h = x + delta, out = rms_norm(h): one launch
 
 x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D. Or a [N, D] view of wider rows (last dim
         contiguous, row stride x.stride(0)): a fused projection's column block is normed in place of a copy
@@ -93,11 +92,9 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
 // chunks t, t + 32·W, ... (at most MAXV of 16 bytes) of the row and of w in registers, all loaded before
 // the first use. Same statistic order rules as rms_norm (independent of N), same rounding.
 // x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out is [N, D] contiguous.
-// delta non-null (the residual add fused in front): the normed row is h = x + delta, rounded to T as torch's
-// add rounds it, and h is written to hout; delta and hout are [N, D] contiguous.
 template <typename T, int MAXV>
 __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int D,
-                             int ld, float eps, const T* __restrict__ delta, T* __restrict__ hout) {
+                             int ld, float eps) {
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, nv = D / VW;
@@ -110,21 +107,6 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ w, T
     if (tid + k * nt < nv) {
       xv[k] = xr[tid + k * nt];
       wv[k] = __ldg(wr + tid + k * nt);
-    }
-  }
-  if (delta != nullptr) {
-    const uint4* dr = reinterpret_cast<const uint4*>(delta + (i64)row * D);
-    uint4* hr = reinterpret_cast<uint4*>(hout + (i64)row * D);
-#pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
-      if (tid + k * nt < nv) {
-        const uint4 dv = dr[tid + k * nt];
-        T* e = reinterpret_cast<T*>(&xv[k]);
-        const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-        for (int j = 0; j < VW; ++j) io<T>::st(e + j, io<T>::ld(e + j) + io<T>::ld(de + j));
-        hr[tid + k * nt] = xv[k];
-      }
     }
   }
   float ss = 0.f;
@@ -185,7 +167,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
             and chunks <= 32 * 32 * VEC_CHUNKS and all(t.data_ptr() % 16 == 0 for t in (x, weight, out)):
         warps = max(warps, -(-chunks // (32 * VEC_CHUNKS)))  # every chunk in one thread's registers
         launch(kernels[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], N, 32 * warps, x, weight, out, D, ld,
-               float(eps), np.uint64(0), np.uint64(0))
+               float(eps))
         return out
     x = x.contiguous()  # a strided view that missed the 16-byte path
     none = np.uint64(0)
@@ -193,35 +175,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
     launch(ker, N, 32 * warps, x, weight, none if cos is None else cos, none if sin is None else sin,
            out, N, D, heads, float(eps))
     return out
-
-
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next RMSNorm in one launch: (h, rms_norm(h)) with h = x + delta (new tensors,
-    h rounded to x's dtype as torch's add). x, delta [N, D] contiguous, same dtype; rows whose width is not a
-    multiple of 16 bytes take the two-launch path."""
-    D = x.shape[-1]
-    assert x.shape == delta.shape and x.dtype == delta.dtype and x.dim() == 2, (x.shape, delta.shape)
-    aligned = (D * x.element_size()) % 16 == 0 and D * x.element_size() // 16 <= 32 * 32 * VEC_CHUNKS
-    if not (aligned and x.is_contiguous() and delta.is_contiguous() and x.data_ptr() % 16 == 0
-            and delta.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0):
-        h = x + delta
-        return h, rms_norm(h, weight, eps)
-    assert x.is_cuda and x.dtype in _TYPE and weight.shape == (D,) and weight.dtype == x.dtype
-    h, out = torch.empty_like(x), torch.empty_like(x)
-    if x.shape[0] == 0:
-        return h, out
-    chunks = D * x.element_size() // 16
-    warps = max(min(8, max(1, D // ELEMS_PER_WARP)), -(-chunks // (32 * VEC_CHUNKS)))
-    launch(get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], x.shape[0],
-           32 * warps, x, weight, out, D, D, float(eps), delta, h)
-    return h, out
-
-
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x + delta
-    return h, rms_norm_ref(h, weight, eps)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:

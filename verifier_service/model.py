@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.linear import project
-from verifier_service.mla import MLAWeights, add_rms_norm, mla_forward, rms_norm, row_keys
+from verifier_service.mla import MLAWeights, mla_forward, rms_norm, row_keys
 from verifier_service.model_config import K2Config
 from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
                                   mlp, moe_forward)
@@ -122,23 +122,17 @@ class K2Model:
         h = self._embed(plan.token_ids)  # [T, H]
         hidden_rows = _rows(plan.hidden_rows, plan.num_rows, h.device)
         captured: dict[int, torch.Tensor] = {}
-        eps, mlp_out = cfg.rms_norm_eps, None  # mlp_out: the last MLP's output, added by the next layer's norm
         for i, layer in enumerate(w.layers):
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
-            if mlp_out is None:
-                a = rms_norm(h, layer.input_layernorm, eps, self.fused)
-            else:
-                h, a = add_rms_norm(h, mlp_out, layer.input_layernorm, eps, self.fused)
+            a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps, self.fused)
             paged = (kv_cache[i], plan) if kernel_attn else None
             attn = mla_forward(a, layer.self_attn, cfg, cos, sin, kv_layer, plan.write_slots, groups,
                                plan.explicit_mla, paged, self.fused)
-            h, b = add_rms_norm(h, self.all_reduce(attn), layer.post_attention_layernorm, eps, self.fused)
-            mlp_out = self._mlp(i, b, layer.mlp)
-            if i in target_layer_ids:  # the layer's output is a feature row: add it here
-                h, mlp_out = h + mlp_out, None
+            h = h + self.all_reduce(attn)
+            b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps, self.fused)
+            h = h + self._mlp(i, b, layer.mlp)
+            if i in target_layer_ids:
                 captured[i] = h[hidden_rows]  # [Rh, H]
-        if mlp_out is not None:
-            h = h + mlp_out
         hidden = (torch.cat([captured[i] for i in target_layer_ids], dim=-1) if target_layer_ids
                   else h.new_zeros(len(hidden_rows), 0))
         out_rows = _rows(plan.logit_rows, plan.num_rows, h.device)
