@@ -2,6 +2,8 @@
 run as N processes with torchrun-style env vars; rank 0 writes fp32 logits to argv[3].
 
     RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/rank_forward.py MODEL N OUT [split] [cuda]
+
+MODEL: a checkpoint directory, or `synthetic:PRESET` (random weights, `--synthetic PRESET`).
 """
 
 import sys
@@ -31,7 +33,8 @@ def main() -> int:
     split = "split" in sys.argv[4:]
     device = "cuda" if "cuda" in sys.argv[4:] else "cpu"
     info = ranks.RankInfo.from_env()
-    config = VerifierConfig(model=model, world_size=world, kv_cache_mb=4, page_size=16, dtype="float32",
+    source = dict(synthetic=model.split(":", 1)[1]) if model.startswith("synthetic:") else dict(model=model)
+    config = VerifierConfig(**source, world_size=world, kv_cache_mb=4, page_size=16, dtype="float32",
                             split_replicated=split, device=device)
     runner = Runner(config, info if world > 1 else None)
     if runner.info.rank > 0:

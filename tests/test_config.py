@@ -40,7 +40,6 @@ def test_bools_and_choices(monkeypatch):
     (["--model", "m", "--port", "70000"], "port"),
     (["--model", "m", "--world-size", "2", "--gpus", "0"], "gpus"),
     (["--synthetic", "k27"], "synthetic"),
-    (["--synthetic", "k26", "--split-replicated", "true"], "split_replicated"),
     (["--model", "m", "--force-accept-depth", "-1"], "force_accept_depth"),
     (["--model", "m", "--torch-threads", "-1"], "torch_threads"),
 ])

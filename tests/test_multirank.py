@@ -60,6 +60,15 @@ def test_split_replicated_parts_equal_world_size_1(tiny_ckpt, tmp_path):
             assert rel(got[key], ref[key]) < 1e-5, f"split world {world} {key}: rel {rel(got[key], ref[key]):.2e}"
 
 
+def test_synthetic_split_replicated_equals_world_size_1(tmp_path):
+    """`--synthetic` with `--split-replicated` (benchmarks of that layout): the random slices of every rank
+    add up to the replicated model's logits."""
+    ref = forward_at("synthetic:k26-mini", 1, tmp_path / "w1.pt")
+    got = forward_at("synthetic:k26-mini", 3, tmp_path / "split3.pt", "split")
+    for key in ("prefill", "tree", "after_commit"):
+        assert rel(got[key], ref[key]) < 1e-5, f"synthetic split {key}: rel {rel(got[key], ref[key]):.2e}"
+
+
 PROMPTS = [[3, 14, 15, 92, 65], "def main():\n    return", [271, 828, 1828, 459, 45, 235, 36]]
 
 

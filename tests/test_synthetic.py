@@ -12,6 +12,7 @@ from gateway.tokenizer import KimiTokenizer
 from verifier_service.bench_verify import expected_max_experts
 from verifier_service.ranks import split_range
 from verifier_service.synthetic import k26_config, preset_config, random_target
+from verifier_service.weights import Split
 
 
 def rank_weights(cfg, rank: int, world: int):
@@ -36,6 +37,25 @@ def test_random_target_slices_equal_the_unsplit_model():
         moe_a, moe_b = part.layers[1].mlp, full.layers[1].mlp
         assert torch.equal(moe_a.gate, moe_b.gate) and moe_a.experts.first == experts.start
         assert torch.equal(moe_a.experts.down_proj.packed, moe_b.experts.down_proj.packed[experts.start:experts.stop])
+
+
+def test_split_replicated_parts_are_slices_of_the_replicated_ones():
+    """With `split` (--split-replicated), each rank holds its rows of the dense and shared gate/up, columns of
+    their down and vocab rows of embed / head: slices of the same random tensors, covering them exactly."""
+    cfg = preset_config("k26-mini", 2)
+    full = rank_weights(cfg, 0, 1)
+    world = 3
+    parts = [random_target(cfg, experts=split_range(16, r, world), heads=split_range(4, r, world), device="cpu",
+                           dtype=torch.float32, split=Split(r, world)) for r in range(world)]
+    for name in ("embed_tokens", "lm_head"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(full, name))
+    assert [p.vocab_start for p in parts] == [split_range(cfg.vocab_size, r, world).start for r in range(world)]
+    for layer, mlp in ((0, lambda w: w.layers[0].mlp), (1, lambda w: w.layers[1].mlp.shared_experts)):
+        want = mlp(full)
+        assert torch.equal(torch.cat([mlp(p).gate_proj for p in parts]), want.gate_proj), layer
+        assert torch.equal(torch.cat([mlp(p).up_proj for p in parts]), want.up_proj), layer
+        assert torch.equal(torch.cat([mlp(p).down_proj for p in parts], dim=1), want.down_proj), layer
+        assert mlp(parts[0]).gate_proj.shape[0] < want.gate_proj.shape[0]
 
 
 def test_presets_use_the_real_config_numbers():

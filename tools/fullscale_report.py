@@ -3,7 +3,8 @@
 Floors as in reference/perf.md §3: bytes a step must read ÷ the copy bandwidth measured in the same run
 (read + write bytes per second of a large device-to-device copy). Verify: the slowest verifier rank's
 bytes for a tree of N rows (`bench_verify.floor_bytes_world`: its heads, the expected maximum of
-touched experts per layer over the ranks, the replicated parts, its latent KV). Draft: every drafter
+touched experts per layer over the ranks, its share of the shared / dense MLPs and lm_head, or all of
+them with --split-replicated false, its latent KV). Draft: every drafter
 weight, the target's lm_head the drafter multiplies by, and the drafter KV of the context. Tokens/s
 floor for τ: τ / (draft + verify floor); AR: 1 / verify floor.
 
@@ -22,16 +23,17 @@ PERF_MD_B1_MS = {1: 2.87, 8: 6.70, 16: 9.68, 32: 14.2, 64: 20.0, 128: 26.5}
 TAUS = (3, 5, 7)
 
 
-def floors(cfg, dcfg, world: int, sizes: list[int], prefix: int, bandwidth: float) -> dict[str, dict]:
+def floors(cfg, dcfg, world: int, sizes: list[int], prefix: int, bandwidth: float,
+           split: bool = True) -> dict[str, dict]:
     """str(tree size N) (JSON keys) -> verify / draft floor ms and tokens/s floors (AR for N = 1, else
-    for each τ in TAUS up to N)."""
+    for each τ in TAUS up to N). `split`: the verifier ran --split-replicated (its default)."""
     from drafter_service.bench_draft import drafter_bytes
     from verifier_service.bench_verify import floor_bytes_world
 
     draft_ms = 1e3 * drafter_bytes(dcfg, cfg.vocab_size, min(prefix, 4096)) / bandwidth
     out = {}
     for n in sizes:
-        verify_ms = 1e3 * floor_bytes_world(cfg, world, n, prefix) / bandwidth
+        verify_ms = 1e3 * floor_bytes_world(cfg, world, n, prefix, split) / bandwidth
         row = {"verify_ms": round(verify_ms, 3), "draft_ms": round(draft_ms if n > 1 else 0.0, 3)}
         if n == 1:
             row["tok_s"] = {"1": round(1e3 / verify_ms, 1)}

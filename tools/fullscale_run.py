@@ -81,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, help="tokens per stream (default: 512 on cuda, 24 on cpu)")
     p.add_argument("--concurrency", type=int, default=1, help="streams in flight at once")
     p.add_argument("--kv-cache-mb", type=int, help="verifier latent KV per rank (default: 8192 on cuda, 64 on cpu)")
+    p.add_argument("--split-replicated", default="true", choices=("true", "false"),
+                   help="the verifier's --split-replicated (default true, as the verifier's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".out/fullscale", help="directory for fullscale.json/.md and service logs")
     args = p.parse_args(argv)
@@ -115,6 +117,7 @@ def service_commands(args, ports: dict[str, int], tokenizer: Path) -> dict[str, 
                     "--max-tree-budget", str(max(*args.sizes, 16)), *common],
         "verifier": [*base, "verifier", "--port", str(ports["verifier"]), *synthetic, "--device", args.device,
                      "--dtype", dtype, "--world-size", str(args.world_size), *gpus,
+                     "--split-replicated", args.split_replicated,
                      "--drafter", f"127.0.0.1:{ports['drafter']}", "--kv-cache-mb", str(args.kv_cache_mb),
                      "--max-tree-budget", str(max(*args.sizes, 16)), "--max-batch", str(max(args.concurrency, 8)),
                      "--max-context", str(max(8192, args.prompt_len + args.max_new + 256)),
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                  "max_new": args.max_new, "concurrency": args.concurrency, "copy_gb_s": round(bandwidth / 1e9, 1),
                  "floor_context": context},
         "memory": memory, "gpu_memory": gpus, "runs": rows,
-        "floors": report.floors(cfg, dcfg, world, args.sizes, context, bandwidth),
+        "floors": report.floors(cfg, dcfg, world, args.sizes, context, bandwidth, args.split_replicated == "true"),
     }
     (out / "fullscale.json").write_text(json.dumps(result, indent=1) + "\n")
     text = report.markdown(result)

@@ -21,6 +21,7 @@ from verifier_service.model import K2Model, identity
 from verifier_service.plan import SeqRows, build_plan, tree_parents
 from verifier_service.ranks import split_range
 from verifier_service.synthetic import k26_config, random_target
+from verifier_service.weights import Split
 
 EXPERT_BYTES = 3 * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2)  # packed INT4 + bf16 scales, one K2.6 expert
 
@@ -34,6 +35,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--tree-sizes", default="1,8,16,32,64")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
+    p.add_argument("--split-replicated", action="store_true",
+                   help="also split the shared and dense MLPs and the lm_head over the ranks (the verifier's flag)")
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.set_defaults(func=main)
 
@@ -57,20 +60,24 @@ def expert_bytes(cfg) -> int:
 
 
 def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: int,
-                touched: float | None = None) -> float:
+                touched: float | None = None, split: int = 1) -> float:
     """Bytes one rank must read for a verify of `rows` rows: weights touched + its KV prefix (bf16).
     `touched`: routed experts the rank reads per MoE layer (default: the mean of its `experts` under
-    uniform routing; the slowest of N ranks reads `expected_max_experts`)."""
+    uniform routing; the slowest of N ranks reads `expected_max_experts`). `split` > 1: the shared and
+    dense MLPs and the lm_head are split over that many ranks (--split-replicated; rank 0's share)."""
+    def share(n: int) -> int:
+        return len(split_range(n, 0, split))
+
     H = cfg.hidden_size
     attn = 2 * (cfg.q_lora_rank * H + heads * cfg.qk_head_dim * cfg.q_lora_rank + cfg.kv_cache_width * H
                 + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank + H * heads * cfg.v_head_dim)
     if touched is None:
         touched = experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** rows)
-    shared = 2 * 3 * H * cfg.moe_intermediate_size * cfg.n_shared_experts
+    shared = 2 * 3 * H * share(cfg.moe_intermediate_size * cfg.n_shared_experts)
     moe = touched * expert_bytes(cfg) + shared + 4 * cfg.n_routed_experts * H  # fp32 router
-    dense = 2 * 3 * H * cfg.intermediate_size
+    dense = 2 * 3 * H * share(cfg.intermediate_size)
     kv = (prefix + rows) * cfg.kv_cache_width * 2
-    head = 2 * cfg.vocab_size * H
+    head = 2 * share(cfg.vocab_size) * H
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
     return layers * (attn + kv) + moe_layers * moe + (layers - moe_layers) * dense + head
 
@@ -90,13 +97,14 @@ def expected_max_experts(cfg, world: int, rows: int, trials: int = 2000, seed: i
     return total / (chunk * math.ceil(trials / chunk))
 
 
-def floor_bytes_world(cfg, world: int, rows: int, prefix: int) -> float:
+def floor_bytes_world(cfg, world: int, rows: int, prefix: int, split: bool = False) -> float:
     """Bytes the slowest of `world` verifier ranks reads for one verify over all cfg's layers: rank 0's
-    heads (the most) and the expected maximum of touched experts; replicated parts read on every rank."""
+    heads (the most) and the expected maximum of touched experts; the replicated parts read on every rank,
+    or (`split`) rank 0's share of them."""
     heads = len(split_range(cfg.num_attention_heads, 0, world))
     experts = len(split_range(cfg.n_routed_experts, 0, world))
     return floor_bytes(cfg, cfg.num_hidden_layers, experts, heads, rows, prefix,
-                       touched=expected_max_experts(cfg, world, rows))
+                       touched=expected_max_experts(cfg, world, rows), split=world if split else 1)
 
 
 def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: random.Random):
@@ -124,9 +132,13 @@ def main(args) -> int:
     rank, world, reduce = setup_ranks(args.ep_size)
     experts = split_range(cfg.n_routed_experts, rank, world)
     heads = split_range(cfg.num_attention_heads, rank, world)
-    weights = random_target(cfg, experts=experts, heads=heads)  # same seed: replicated parts agree
-    fast = K2Model(cfg, weights, use_kernels=True, all_reduce=reduce)
-    ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce)
+    split = Split(rank, world) if args.split_replicated else None
+    weights = random_target(cfg, experts=experts, heads=heads, split=split)  # same seed: ranks agree
+    gather = identity
+    if split is not None and reduce is not identity:  # vocab-parallel logits, as the served verifier gathers them
+        gather = ranks.all_gather_columns([len(split_range(cfg.vocab_size, r, world)) for r in range(world)])
+    fast = K2Model(cfg, weights, use_kernels=True, all_reduce=reduce, all_gather=gather)
+    ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce, all_gather=gather)
     say = print if rank == 0 else (lambda *a, **k: None)
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, width=cfg.kv_cache_width, page_size=64,
                          num_pages=math.ceil(args.prefix / 64) + 4, dtype=torch.bfloat16, device="cuda")
@@ -135,8 +147,9 @@ def main(args) -> int:
     cache.kv.normal_()
     bw = copy_bandwidth()
     collectives = "NCCL all-reduces" if world > 1 and reduce is not identity else "no collectives"
+    layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
-        f"{len(experts)} experts, {len(heads)} heads, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
+        f"{len(experts)} experts, {len(heads)} heads, {layout}, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11}")
     rng, out_rows = random.Random(0), []
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
@@ -149,9 +162,11 @@ def main(args) -> int:
             fast.forward(plan, cache.kv)
         replay = time_ms(graph.replay, args.iters)
         reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
-        floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix) / bw
+        floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix,
+                                  split=world if split else 1) / bw
         row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
                    layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,
+                   split_replicated=split is not None,
                    prefix=args.prefix, gpu=torch.cuda.get_device_name())
         out_rows.append(row)
         say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "

@@ -37,8 +37,10 @@ class VerifierConfig(ServerConfig):
     feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
     drafter_max_message_mb: int = option(512, "message size limit towards the drafters, MiB (a resync "
                                          "resends the window: 4096 rows of K2.6 features are 336 MiB)")
-    split_replicated: bool = option(False, "also split shared experts, dense MLP and embedding/head over the "
-                                    "ranks (96 GB cards); default: replicated on every rank")
+    split_replicated: bool = option(True, "at world size > 1 also split the shared experts, the dense MLP and "
+                                    "embedding/head over the ranks (each rank reads 1/N of them per step: "
+                                    "K2.6 on 7 H200s, 16-row verify 13.8 -> 10.1 ms per rank); false: "
+                                    "replicated on every rank (no embedding all-reduce, no logits all-gather)")
     kernels: bool = option(True, "run the CUDA kernels on GPU (false: the torch reference path, for debugging)")
     cuda_graphs: bool = option(True, "replay the GPU forward from CUDA graphs per row bucket (false: eager)")
     collective_timeout_s: float = option(60.0, "a rank's collective waiting longer than this fails the verifier")
@@ -52,8 +54,6 @@ class VerifierConfig(ServerConfig):
             raise ValueError("model: a checkpoint directory is required (--model), or --synthetic PRESET")
         if self.synthetic and self.synthetic not in SYNTHETIC_PRESETS:
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
-        if self.synthetic and self.split_replicated:
-            raise ValueError("split_replicated: not available with --synthetic (random slices are head/expert only)")
         if self.synthetic_layers < 0 or self.force_accept_depth < 0 or self.torch_threads < 0:
             raise ValueError("synthetic_layers, force_accept_depth, torch_threads: must be >= 0")
         if self.world_size < 1:

@@ -20,7 +20,7 @@ from verifier_service.model import ForwardOutput, K2Model, TargetWeights, identi
 from verifier_service.model_config import K2Config
 from verifier_service.plan import BatchPlan, PackedPlan, SeqRows, build_plan, chain_parents, packed_of, plan_to
 from verifier_service.synthetic import preset_config, random_target
-from verifier_service.weights import expert_range, load_target_weights
+from verifier_service.weights import Split, expert_range, load_target_weights
 
 log = get_logger("verifier.runner")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -76,11 +76,12 @@ class Runner:
         if not config.synthetic:
             return load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
                                        ep_rank=rank, ep_size=world, split_replicated=split)
-        # No checkpoint (benchmarks): this rank's experts and heads drawn on its device; every part is
-        # seeded by its name, so the replicated parts agree across ranks.
+        # No checkpoint (benchmarks): this rank's experts and heads (and with `split`, its share of the
+        # replicated parts) drawn on its device; every part is seeded by its name, so ranks agree.
         experts = expert_range(self.cfg.n_routed_experts, rank, world)
         heads = ranks.split_range(self.cfg.num_attention_heads, rank, world)
-        return random_target(self.cfg, experts=experts, heads=heads, device=self.device, dtype=self.dtype)
+        return random_target(self.cfg, experts=experts, heads=heads, device=self.device, dtype=self.dtype,
+                             split=Split(rank, world) if split else None)
 
     def forward(self, plan: BatchPlan) -> ForwardOutput:
         """Rank 0: broadcast the plan (its packed host buffer, or CPU tensors), then run it here. A host

@@ -3,9 +3,10 @@
 For benchmarks of the real shapes and for `ddtree verifier --synthetic PRESET`: `preset_config` is
 K2.6's text config (`k26`) or a small model of the same architecture and vocabulary for CPU tests
 (`k26-mini`), optionally with fewer layers; `random_target` builds one rank's slice (its heads and
-experts) in the checkpoint's formats: bf16 attention / dense / shared / embeddings / head, INT4
-pack-quantized routed experts, fp32 router bias. Magnitudes keep activations O(1) so the numerics
-stay representative.
+experts; with `split`, also its share of the dense and shared MLPs and the vocab rows of embeddings and
+head, as `--split-replicated` loads a checkpoint) in the checkpoint's formats: bf16 attention / dense /
+shared / embeddings / head, INT4 pack-quantized routed experts, fp32 router bias. Magnitudes keep
+activations O(1) so the numerics stay representative.
 
 Every tensor, and every head block and expert of a split tensor, draws from its own generator seeded
 by (seed, name): any rank of any world size builds the same values for the same parts, so the
@@ -24,6 +25,7 @@ from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
 from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
+from verifier_service.weights import Split
 
 K26_TEXT_CONFIG = {  # reference/k26.md §1.2
     "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
@@ -76,10 +78,16 @@ class _Random:
         digest = hashlib.blake2b(repr((self.seed, *key)).encode(), digest_size=8).digest()
         return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
-    def dense(self, key: tuple, out: int, inp: int, fan_in: int | None = None, dtype=None) -> torch.Tensor:
-        """[out, in], std 1/sqrt(fan_in) (default: in)."""
+    def dense(self, key: tuple, out: int, inp: int, fan_in: int | None = None, dtype=None, rows: range | None = None,
+              cols: range | None = None) -> torch.Tensor:
+        """[out, in], std 1/sqrt(fan_in) (default: in); `rows` / `cols`: only that block of it (the whole
+        tensor is drawn, so every split of it is a slice of the same values)."""
         t = torch.empty(out, inp, device=self.device, dtype=dtype or self.dtype)
-        return t.normal_(0.0, 1.0 / math.sqrt(fan_in or inp), generator=self.gen(*key))
+        t.normal_(0.0, 1.0 / math.sqrt(fan_in or inp), generator=self.gen(*key))
+        if (rows is None or len(rows) == out) and (cols is None or len(cols) == inp):
+            return t
+        rows, cols = rows or range(out), cols or range(inp)
+        return t[rows.start: rows.stop, cols.start: cols.stop].clone()
 
     def head_rows(self, key: tuple, heads: range, rows: int, inp: int) -> torch.Tensor:
         """[len(heads)·rows, in]: one [rows, in] block per head (q_b_proj, kv_b_proj)."""
@@ -105,14 +113,26 @@ class _Random:
 
 
 def random_target(cfg: K2Config, *, experts: range, heads: range, device="cuda", dtype=torch.bfloat16,
-                  seed: int = 0) -> TargetWeights:
+                  seed: int = 0, split: Split | None = None) -> TargetWeights:
+    """`split` (rank, world): also this rank's rows of the dense and shared MLPs' gate/up, columns of their
+    down, and vocab rows of embed_tokens / lm_head; None: those replicated."""
     r = _Random(device, dtype, seed)
-    layers = tuple(_layer(r, cfg, i, experts, heads) for i in range(cfg.num_hidden_layers))
-    return TargetWeights(embed_tokens=r.dense(("embed",), cfg.vocab_size, cfg.hidden_size).mul_(50), layers=layers,
-                         norm=r.norm(cfg.hidden_size), lm_head=r.dense(("lm_head",), cfg.vocab_size, cfg.hidden_size))
+    layers = tuple(_layer(r, cfg, i, experts, heads, split) for i in range(cfg.num_hidden_layers))
+    vocab = split.of(cfg.vocab_size) if split else range(cfg.vocab_size)
+    H = cfg.hidden_size
+    return TargetWeights(embed_tokens=r.dense(("embed",), cfg.vocab_size, H, rows=vocab).mul_(50), layers=layers,
+                         norm=r.norm(H), lm_head=r.dense(("lm_head",), cfg.vocab_size, H, rows=vocab),
+                         vocab_start=vocab.start)
 
 
-def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range) -> LayerWeights:
+def _mlp(r: _Random, key: tuple, inter: int, H: int, split: Split | None) -> MLPWeights:
+    """gate/up [inter, H] and down [H, inter]; split: this rank's rows of gate/up and columns of down."""
+    part = split.of(inter) if split else range(inter)
+    return MLPWeights(r.dense((*key, "gate"), inter, H, rows=part), r.dense((*key, "up"), inter, H, rows=part),
+                      r.dense((*key, "down"), H, inter, cols=part))
+
+
+def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range, split: Split | None) -> LayerWeights:
     H = cfg.hidden_size
     attn = MLAWeights(
         q_a_proj=r.dense((i, "q_a"), cfg.q_lora_rank, H), q_a_layernorm=r.norm(cfg.q_lora_rank),
@@ -125,13 +145,10 @@ def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range) -> L
         I, n = cfg.moe_intermediate_size, cfg.n_routed_experts
         stack = ExpertStack(gate_proj=r.int4((i, "gate"), experts, I, H), up_proj=r.int4((i, "up"), experts, I, H),
                             down_proj=r.int4((i, "down"), experts, H, I), first=experts.start)
-        S = I * cfg.n_shared_experts
-        shared = MLPWeights(r.dense((i, "shared_gate"), S, H), r.dense((i, "shared_up"), S, H),
-                            r.dense((i, "shared_down"), H, S))
+        shared = _mlp(r, (i, "shared"), I * cfg.n_shared_experts, H, split)
         bias = torch.randn(n, device=r.device, generator=r.gen(i, "bias")) * 0.01
         mlp = MoEWeights(gate=r.dense((i, "router"), n, H, dtype=torch.float32), e_score_correction_bias=bias,
                          experts=stack, shared_experts=shared)
     else:
-        D = cfg.intermediate_size
-        mlp = MLPWeights(r.dense((i, "gate"), D, H), r.dense((i, "up"), D, H), r.dense((i, "down"), H, D))
+        mlp = _mlp(r, (i,), cfg.intermediate_size, H, split)
     return LayerWeights(input_layernorm=r.norm(H), self_attn=attn, post_attention_layernorm=r.norm(H), mlp=mlp)
