@@ -2,10 +2,11 @@
 
 A random DFlash drafter of the preset (synthetic.py; `k26` is Kimi's: 6 layers, hidden 7168, 64 / 8 heads of
 128, intermediate 18432, block 8, vocab 163840) behind the served engine: CUDA graphs, kernels/ddtree_build for
-k <= 64, the host heap above. One session whose drafter cache already holds `--context` rows; each timed
-Propose brings `--new-rows` feature rows from the host (the previous step's accepted path, as the verifier
-sends them) and drafts one tree. Per budget: median and p90 wall time of `DrafterEngine.propose` (device sync
-included), the bandwidth floor (`drafter_bytes` ÷ the copy bandwidth measured in the same run) and the ratio.
+k <= 64, the host heap above. `--sessions` sessions whose drafter caches already hold `--context` rows each;
+each timed Propose brings `--new-rows` feature rows per session from the host (the previous step's accepted
+path, as the verifier sends them) and drafts one tree per session. Per budget: median and p90 wall time of
+`DrafterEngine.propose` (device sync included), the bandwidth floor (`drafter_bytes` of every session's
+context ÷ the copy bandwidth measured in the same run) and the ratio.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--preset", default="k26", choices=PRESETS)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--context", type=int, default=4096, help="rows in the session's drafter cache before timing")
+    p.add_argument("--sessions", type=int, default=1, help="sessions drafted together in each Propose")
+    p.add_argument("--context", type=int, default=4096, help="rows in each session's drafter cache before timing")
     p.add_argument("--new-rows", type=int, default=4, help="feature rows each Propose brings (accepted path)")
     p.add_argument("--budgets", default="chain,8,16,32,64,128", help="tree budgets; 'chain' = the block's chain")
     p.add_argument("--iters", type=int, default=50)
@@ -52,7 +54,7 @@ def _engine(args):
     model = random_drafter(args.preset, device=args.device, dtype=getattr(torch, args.dtype))
     cfg = model.cfg
     window = 4096  # the served default (EngineOptions.window); pages behind it are freed as the session grows
-    pages = 2 * (window // 64 + 1) + 2
+    pages = args.sessions * 2 * (window // 64 + 1) + 2
     nbytes = pages * page_bytes(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim, model.fc.weight.dtype)
     engine = DrafterEngine(model, EngineOptions(cache_bytes=nbytes, window=window), name=f"synthetic-{args.preset}")
     engine.warm_up()
@@ -60,22 +62,25 @@ def _engine(args):
 
 
 def _timed_proposes(engine, args, budget: str, position: int, gen: torch.Generator) -> tuple[list[float], int]:
-    """`args.iters` Proposes (after 3 untimed) of one budget; their seconds and the session's next position."""
+    """`args.iters` Proposes (after 3 untimed) of one budget; their seconds and the sessions' next position."""
     from drafter_service.engine import DraftMode, ProposeItem
 
     cfg, vocab = engine.cfg, engine.model.vocab_size
     chain = budget == CHAIN
+    mode, tree_budget = (DraftMode.CHAIN, 0) if chain else (DraftMode.DDTREE, int(budget))
     rows = [torch.randn(args.new_rows, cfg.feature_width, generator=gen).to(engine.dtype) for _ in range(8)]
     seconds = []
     for i in range(args.iters + 3):
-        item = ProposeItem("bench", position, rows[i % len(rows)], int(torch.randint(vocab, (1,), generator=gen)),
-                           tree_budget=0 if chain else int(budget), mode=DraftMode.CHAIN if chain else DraftMode.DDTREE)
+        roots = torch.randint(vocab, (args.sessions,), generator=gen).tolist()
+        items = [ProposeItem(f"bench{s}", position, rows[(i + s) % len(rows)], roots[s], tree_budget, mode=mode)
+                 for s in range(args.sessions)]
         t0 = time.perf_counter()
-        (result,) = engine.propose([item])
+        results = engine.propose(items)
         if i >= 3:
             seconds.append(time.perf_counter() - t0)
-        if not hasattr(result, "tree"):
-            raise RuntimeError(f"Propose failed: {result}")
+        failed = [r for r in results if not hasattr(r, "tree")]
+        if failed:
+            raise RuntimeError(f"Propose failed: {failed[0]}")
         position += args.new_rows
     return seconds, position
 
@@ -88,13 +93,14 @@ def main(args) -> int:
     engine = _engine(args)
     cfg, vocab = engine.cfg, engine.model.vocab_size
     context = torch.randn(args.context, cfg.feature_width, generator=gen).to(engine.dtype)
-    engine.propose([ProposeItem("bench", 0, context, 0, tree_budget=8, reset=True)])  # the prefix, injected once
+    for s in range(args.sessions):  # each session's prefix, injected once
+        engine.propose([ProposeItem(f"bench{s}", 0, context, 0, tree_budget=8, reset=True)])
     bw = copy_bandwidth(args.device)
     attended = min(args.context, engine.options.window or args.context)
-    floor_ms = 1e3 * drafter_bytes(cfg, vocab, attended, engine.model.fc.weight.element_size()) / bw
+    floor_ms = 1e3 * drafter_bytes(cfg, vocab, attended * args.sessions, engine.model.fc.weight.element_size()) / bw
     print(f"# {args.preset} drafter ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
-          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}; context {args.context} rows "
-          f"({attended} attended), {args.new_rows} new rows per Propose; copy {bw / 1e9:.0f} GB/s")
+          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}; {args.sessions} session(s) of {args.context} "
+          f"context rows ({attended} attended), {args.new_rows} new rows each per Propose; copy {bw / 1e9:.0f} GB/s")
     print(f"{'budget':>7} {'median ms':>10} {'p90 ms':>8} {'floor ms':>9} {'median/floor':>13}")
     position, out = args.context, []
     for budget in args.budgets.split(","):
@@ -102,7 +108,7 @@ def main(args) -> int:
         median, p90 = statistics.median(seconds) * 1e3, sorted(seconds)[int(0.9 * (len(seconds) - 1))] * 1e3
         out.append(dict(budget=budget.strip(), median_ms=median, p90_ms=p90, floor_ms=floor_ms, preset=args.preset,
                         device=_device_name(args.device), dtype=args.dtype, context=args.context,
-                        new_rows=args.new_rows))
+                        sessions=args.sessions, new_rows=args.new_rows))
         print(f"{budget.strip():>7} {median:>10.3f} {p90:>8.3f} {floor_ms:>9.3f} {median / floor_ms:>13.2f}")
     if args.out:
         with open(args.out, "w") as f:

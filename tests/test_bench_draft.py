@@ -31,11 +31,11 @@ def test_floor_bytes_are_the_drafters_tensors(dtype):
 def test_bench_draft_on_cpu(tmp_path):
     out = tmp_path / "draft.jsonl"
     args = ["--preset", "k26-mini", "--device", "cpu", "--dtype", "float32", "--context", "70", "--iters", "3",
-            "--budgets", "chain,8,128", "--out", str(out)]
+            "--budgets", "chain,8,128", "--sessions", "2", "--out", str(out)]
     done = subprocess.run([sys.executable, "-m", "drafter_service.bench_draft", *args], cwd=REPO, env=service_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["budget"] for r in rows] == ["chain", "8", "128"]
+    assert [r["budget"] for r in rows] == ["chain", "8", "128"] and all(r["sessions"] == 2 for r in rows)
     assert all(0 < r["floor_ms"] < r["median_ms"] <= r["p90_ms"] for r in rows), rows
     assert "median/floor" in done.stdout
