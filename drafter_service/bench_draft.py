@@ -88,7 +88,9 @@ def _timed_proposes(engine, args, budget: str, position: int, gen: torch.Generat
 def main(args) -> int:
     from drafter_service.engine import ProposeItem
     from kernels.bench import copy_bandwidth
+    from service_kit.config import limit_torch_threads
 
+    limit_torch_threads(args.device, 0)  # the served drafter's host threads (one on a GPU): see its docstring
     gen = torch.Generator().manual_seed(0)
     engine = _engine(args)
     cfg, vocab = engine.cfg, engine.model.vocab_size
