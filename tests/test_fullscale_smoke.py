@@ -28,6 +28,7 @@ def test_fullscale_run_on_cpu(tmp_path):
     assert set(runs) == {(1, 0), (8, 0), (8, 2), (8, 4), (8, 6)}
     for (size, depth), r in runs.items():
         assert r["streams"] >= 1 and r["steps"] > 0 and r["verify_ms"] > 0 and r["tok_s"] > 0, r
+        assert r["tok_s_steady"] > 0 and r["client_step_steady_ms"] > 0, r  # without each stream's first step
         assert (r["draft_ms"] > 0) == (size > 1), r
         if depth:
             assert r["tau"] == pytest.approx(depth + 1, abs=0.3), r
@@ -36,4 +37,4 @@ def test_fullscale_run_on_cpu(tmp_path):
     assert all(m["weight_bytes"] > 0 and m["kv_cache_bytes"] > 0 for m in result["memory"])
     assert set(result["floors"]) == {"1", "8"} and set(result["floors"]["8"]["tok_s"]) == {"3", "5", "7"}
     table = (tmp_path / "fullscale.md").read_text()
-    assert "| 8 | ddtree-7 |" in table and "τ=7" in table
+    assert "| 8 | ddtree-7 |" in table and "τ=7" in table and "steady step ms" in table

@@ -51,7 +51,7 @@ def verify_table(result: dict) -> list[str]:
     """One line per tree size: the runs without forced acceptance (depth 0) next to their floors."""
     fl, gpu = result["floors"], result["meta"]["device"].startswith("cuda")
     head = ("| N (rows) | mode | verify ms | floor ms | ÷ floor | " + ("perf.md (b1) ms | " if gpu else "")
-            + "draft ms | draft floor ms | accept ms | engine step ms | client step ms | τ | tok/s |")
+            + "draft ms | draft floor ms | accept ms | engine step ms | client step ms | steady step ms | τ | tok/s |")
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
     for r in sorted((r for r in result["runs"] if r["force_depth"] == 0), key=lambda r: r["tree_size"]):
         f = fl[str(r["tree_size"])]
@@ -59,15 +59,17 @@ def verify_table(result: dict) -> list[str]:
         ref = [_fmt(PERF_MD_B1_MS.get(r["tree_size"]))] if gpu else []
         cells = [str(r["tree_size"]), r["name"], _fmt(r["verify_ms"], 3), _fmt(f["verify_ms"], 3), _fmt(ratio), *ref,
                  _fmt(r["draft_ms"], 3), _fmt(f["draft_ms"], 3), _fmt(r["accept_ms"], 3), _fmt(r["engine_step_ms"], 3),
-                 _fmt(r["client_step_ms"], 3), _fmt(r["tau"]), _fmt(r["tok_s"], 1)]
+                 _fmt(r["client_step_ms"], 3), _fmt(r.get("client_step_steady_ms"), 3), _fmt(r["tau"]),
+                 _fmt(r["tok_s"], 1)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def tau_table(result: dict) -> list[str]:
-    """Forced acceptance: per tree size, per τ = depth + 1: measured τ, client step ms, tokens/s at that
-    τ (τ ÷ step time: the step time hardly depends on τ, the measured τ may fall short of it when a
-    tree has no node that deep) next to its floor."""
+    """Forced acceptance: per tree size, per τ = depth + 1: measured τ, client step ms (steady: without each
+    stream's first decode step, which also ships the prompt's feature rows; the whole stream's where a run
+    has none), tokens/s at that τ (τ ÷ step time: the step time hardly depends on τ, the measured τ may fall
+    short of it when a tree has no node that deep) next to its floor."""
     runs = {(r["tree_size"], r["force_depth"]): r for r in result["runs"]}
     depths = sorted({d for _, d in runs if d})
     head = "| N (rows) | " + " | ".join(f"τ={d + 1}: τ meas. | step ms | tok/s | floor tok/s" for d in depths) + " |"
@@ -76,7 +78,7 @@ def tau_table(result: dict) -> list[str]:
         cells = [str(n)]
         for d in depths:
             r, f = runs.get((n, d)), result["floors"][str(n)]["tok_s"].get(str(d + 1))
-            step = r["client_step_ms"] if r else None
+            step = (r.get("client_step_steady_ms") or r["client_step_ms"]) if r else None
             cells += [_fmt(r and r["tau"]), _fmt(step), _fmt(step and (d + 1) * 1e3 / step, 1), _fmt(f, 1)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -237,7 +237,7 @@ def run_row(size: int, depth: int, outs: list, wall_s: float, delta: dict[str, f
     accepted = delta.get("ddtree_spec_decode_num_accepted_tokens_total", 0.0)
     steps = sum(o.final.spec_stats.verify_steps for o in outs)
     tokens = sum(len(o.ids) - 1 for o in outs)  # the first token comes from the prefill step
-    decode_s = sum(o.decode_s for o in outs)
+    decode_s, steady_s = sum(o.decode_s for o in outs), sum(o.steady_s for o in outs)
     return {
         "tree_size": size, "tree_budget": size - 1, "name": "ar" if size == 1 else f"ddtree-{size - 1}",
         "force_depth": depth, "streams": len(outs), "tokens": tokens, "steps": steps,
@@ -246,6 +246,9 @@ def run_row(size: int, depth: int, outs: list, wall_s: float, delta: dict[str, f
         "engine_step_ms": round(sum(x or 0.0 for x in (verify, draft, accept)), 3),
         "client_step_ms": round(decode_s / steps * 1e3, 3) if steps else None,
         "tok_s": round(tokens / decode_s, 2) if decode_s else None,  # per stream
+        # without each stream's first decode step (it also ships the prompt's feature rows to the drafter)
+        "client_step_steady_ms": round(steady_s / (steps - len(outs)) * 1e3, 3) if steps > len(outs) else None,
+        "tok_s_steady": round(sum(o.steady_tokens for o in outs) / steady_s, 2) if steady_s else None,
         "tok_s_total": round(tokens / wall_s, 2),  # all streams together (differs at --concurrency > 1)
     }
 
@@ -260,7 +263,8 @@ def measure(stub, args, ports: dict[str, int], size: int, depth: int, seconds: f
     row = run_row(size, depth, outs, wall_s, {k: v - before.get(k, 0.0) for k, v in after.items()})
     print(f"N={size:>4} depth={depth}: τ {row['tau']}  verify {row['verify_ms']} ms  draft {row['draft_ms']} ms  "
           f"accept {row['accept_ms']} ms  client step {row['client_step_ms']} ms  {row['tok_s']} tok/s  "
-          f"({row['streams']} streams)", flush=True)
+          f"(steady {row['client_step_steady_ms']} ms, {row['tok_s_steady']} tok/s; {row['streams']} streams)",
+          flush=True)
     return row
 
 

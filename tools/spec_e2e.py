@@ -30,11 +30,15 @@ STARTUP_TIMEOUT_S = 180
 
 class Streamed(NamedTuple):
     """One Generate stream: its token ids and final message, seconds from the first chunk to the end
-    (decode) and from the request to the end (wall)."""
+    (decode) and from the request to the end (wall); steady: seconds from the second chunk (the end of the
+    first decode step, which also ships the prompt's feature rows to the drafter) to the end, and the
+    tokens that came in that time."""
     ids: list[int]
     final: object  # the stream's `final` message (spec_stats)
     decode_s: float
     wall_s: float
+    steady_s: float = 0.0
+    steady_tokens: int = 0
 
 
 def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict], *, modes: list[tuple[str, int]],
@@ -163,15 +167,18 @@ def _generate(stub, prompt: list[int], mode: str, budget: int, temp: float, seed
     if temp > 0:
         req.sampling.temperature = temp
         req.sampling.seed = seed
-    ids, final, t0, t_first = [], None, time.perf_counter(), None
+    ids, final, t0, arrivals, at_second = [], None, time.perf_counter(), [], 0
     for msg in stub.Generate(req, timeout=600):
         if msg.HasField("chunk"):
-            if t_first is None:
-                t_first = time.perf_counter()
+            arrivals.append(time.perf_counter())
             ids += msg.chunk.token_ids
+            if len(arrivals) == 2:
+                at_second = len(ids)
         else:
             final = msg.final
-    return Streamed(ids, final, time.perf_counter() - (t_first or t0), time.perf_counter() - t0)
+    end = time.perf_counter()
+    steady = (end - arrivals[1], len(ids) - at_second) if len(arrivals) > 2 else (0.0, 0)
+    return Streamed(ids, final, end - (arrivals[0] if arrivals else t0), end - t0, *steady)
 
 
 def _metric_sums(port: int) -> dict[str, float]:
