@@ -63,3 +63,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
+// Max of two rows' values over the 4 lanes of a quad (the lanes holding one mma D row's columns).
+__device__ __forceinline__ void quad_max2(float& a, float& b) {
+#pragma unroll
+  for (int d = 1; d < 4; d <<= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, d));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, d));
+  }
+}

@@ -106,11 +106,7 @@ __global__ void __launch_bounds__(128) dflash_attn(
       if (e < 2) mx0 = fmaxf(mx0, s[n][e]);
       else mx1 = fmaxf(mx1, s[n][e]);
     }
-#pragma unroll
-  for (int d = 1; d < 4; d <<= 1) {
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
-  }
+  quad_max2(mx0, mx1);
   const float use0 = mx0 == NEG_INF ? 0.f : mx0, use1 = mx1 == NEG_INF ? 0.f : mx1;
   float l0 = 0.f, l1 = 0.f;
 #pragma unroll

@@ -139,11 +139,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const Seq& sq, in
       if (e < 2) mx0 = fmaxf(mx0, s[n][e]);
       else mx1 = fmaxf(mx1, s[n][e]);
     }
-#pragma unroll
-  for (int d = 1; d < 4; d <<= 1) {
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
-  }
+  quad_max2(mx0, mx1);
 }
 
 // Online-softmax step of one row (this thread's 2·NT scores of it, s[n][lo], s[n][lo+1]):
