@@ -34,7 +34,8 @@ _MODES = {dpb.DRAFT_MODE_UNSPECIFIED: DraftMode.DDTREE, dpb.DRAFT_MODE_CHAIN: Dr
 def item_from_proto(i: int, msg: dpb.ProposeItem) -> ProposeItem | ItemError:
     """Wire decoding errors (bad tensor bytes, unknown mode) become this item's error only."""
     try:
-        features = from_proto(msg.features, f"items[{i}].features")
+        # Read-only rows (one copy less): the engine only reads features (validate, inject's copy to the device).
+        features = from_proto(msg.features, f"items[{i}].features", writable=False)
     except ServiceError as e:
         return ItemError(msg.session_id, "features", e.message)
     if msg.mode not in _MODES:

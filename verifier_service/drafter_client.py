@@ -165,7 +165,12 @@ class DrafterClient:
         by_replica: dict[str, list[DraftRequest]] = {}
         for req in requests:
             by_replica.setdefault(replica_of[req.session_id].address, []).append(req)
-        return {a: dpb.ProposeRequest(items=[_item(r) for r in reqs]) for a, reqs in by_replica.items()}
+        messages = {}
+        for address, reqs in by_replica.items():
+            msg = messages[address] = dpb.ProposeRequest()
+            for r in reqs:  # built in place: a constructor or repeated-field append copies the feature bytes
+                _fill_item(msg.items.add(), r)
+        return messages
 
     def _failed(self, address: str, e: grpc.RpcError) -> None:
         code = e.code()
@@ -224,9 +229,9 @@ def _answers(resp: dpb.ProposeResponse) -> dict[str, object]:
     return out
 
 
-def _item(r: DraftRequest) -> dpb.ProposeItem:
+def _fill_item(item: dpb.ProposeItem, r: DraftRequest) -> None:
+    item.session_id, item.start_position, item.root_token = r.session_id, r.start_position, r.root_token
+    item.tree_budget, item.reset = r.tree_budget, r.reset
+    item.mode = dpb.DRAFT_MODE_CHAIN if r.chain else dpb.DRAFT_MODE_DDTREE
     # The wire format of feature rows is bf16 whatever the verifier computes in (ProposeItem.features).
-    return dpb.ProposeItem(
-        session_id=r.session_id, start_position=r.start_position, features=to_proto(r.features.to(torch.bfloat16)),
-        root_token=r.root_token, tree_budget=r.tree_budget, reset=r.reset,
-        mode=dpb.DRAFT_MODE_CHAIN if r.chain else dpb.DRAFT_MODE_DDTREE)
+    to_proto(r.features.to(torch.bfloat16), out=item.features)
