@@ -1,6 +1,7 @@
 """`ddtree bench verify --preset k26 --layers L`: one full-dimension verify step of one verifier rank.
 
-Random K2.6 weights (L layers, this rank's experts and heads of an `--ep-size`-way split), a committed
+Random K2.6 weights (L layers, this rank's experts and heads of an `--ep-size`-way split, and its share of
+the shared / dense MLPs and lm_head unless `--no-split-replicated`, as the verifier serves), a committed
 prefix of `--prefix` tokens in the paged latent cache, and a random tree of T rows verified in one
 forward, for T in `--tree-sizes`: CUDA-kernel path eager and replayed from a CUDA graph, next to the
 torch reference path, and the bandwidth floor (bytes the step must read ÷ measured copy bandwidth).
@@ -8,6 +9,7 @@ torch reference path, and the bandwidth floor (bytes the step must read ÷ measu
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -35,8 +37,9 @@ def add_parser(bsub) -> None:
     p.add_argument("--tree-sizes", default="1,8,16,32,64")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
-    p.add_argument("--split-replicated", action="store_true",
-                   help="also split the shared and dense MLPs and the lm_head over the ranks (the verifier's flag)")
+    p.add_argument("--split-replicated", action=argparse.BooleanOptionalAction, default=True,
+                   help="split the shared and dense MLPs and the lm_head over the ranks, as the verifier does by "
+                        "default (--no-split-replicated: replicated on every rank)")
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.set_defaults(func=main)
 
@@ -178,7 +181,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":  # without the `ddtree` entry point (e.g. on a machine without the gRPC stubs)
-    import argparse
     import sys
 
     parser = argparse.ArgumentParser(prog="bench_verify")

@@ -86,7 +86,7 @@ class _Random:
         t.normal_(0.0, 1.0 / math.sqrt(fan_in or inp), generator=self.gen(*key))
         if (rows is None or len(rows) == out) and (cols is None or len(cols) == inp):
             return t
-        rows, cols = rows or range(out), cols or range(inp)
+        rows, cols = rows if rows is not None else range(out), cols if cols is not None else range(inp)
         return t[rows.start: rows.stop, cols.start: cols.stop].clone()
 
     def head_rows(self, key: tuple, heads: range, rows: int, inp: int) -> torch.Tensor:
