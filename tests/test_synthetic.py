@@ -58,6 +58,26 @@ def test_split_replicated_parts_are_slices_of_the_replicated_ones():
         assert mlp(parts[0]).gate_proj.shape[0] < want.gate_proj.shape[0]
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_floor_counts_one_ranks_tensors(world):
+    """bench verify's floor (every expert touched, an empty prefix) equals the bytes rank 0 holds, split
+    layout included, less what a step does not stream: the embedding (a few rows), norms, router bias."""
+    from verifier_service.bench_verify import floor_bytes
+    from verifier_service.runner import weight_nbytes
+
+    cfg = preset_config("k26-mini", 3)
+    experts, heads = split_range(16, 0, world), split_range(4, 0, world)
+    w = random_target(cfg, experts=experts, heads=heads, device="cpu", dtype=torch.bfloat16, split=Split(0, world))
+    norms = sum(t.numel() for layer in w.layers
+                for t in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_a_layernorm,
+                          layer.self_attn.kv_a_layernorm))
+    not_streamed = 2 * (norms + w.norm.numel() + w.embed_tokens.numel()) + sum(
+        4 * layer.mlp.e_score_correction_bias.numel() for layer in w.layers[1:])
+    kv = cfg.num_hidden_layers * cfg.kv_cache_width * 2  # the one row's own latent
+    want = weight_nbytes(w) - not_streamed + kv
+    assert floor_bytes(cfg, 3, len(experts), len(heads), 1, 0, touched=len(experts), split=world) == want
+
+
 def test_presets_use_the_real_config_numbers():
     cfg = k26_config()
     assert (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.vocab_size, cfg.hidden_size) == (61, 384, 163840, 7168)
