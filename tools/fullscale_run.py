@@ -31,6 +31,11 @@ outlast its share). If the first command runs long, give the second less --durat
 <files_at>/b/fullscale.json --out models/reports/fullscale_h200x8.json` prints the tables for
 docs/BENCHMARKS.md. Services run in their own sessions with PR_SET_PDEATHSIG: they end with this script.
 
+A dry run on `nvidia-h200-x2` (full-dimension drafter on GPU 0, an 8-layer K2.6 with all 384 experts on GPU 1;
+90 s, 2026-11-30): `--gpus 0,1 --world-size 1 --layers 8 --budgets 1,16 --depths 0,4 --duration-s 40
+--prompt-len 256 --max-new 256`. The steady columns leave out each stream's first decode step, which also
+ships the prompt's feature rows (86 KB a row) to the drafter.
+
 On CPU, small (tests/test_fullscale_smoke.py):
     python -m tools.fullscale_run --preset k26-mini --device cpu --world-size 2 --budgets 1,8 --duration-s 10
 """
