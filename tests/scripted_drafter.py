@@ -14,6 +14,8 @@ tree that mixes that continuation with wrong branches, shaped so that the verifi
 Here j, the output index of the root token, is start_position + len(features) - prompt_len. Since the
 next Propose's root index must be j + a + 1, the double checks the verifier's acceptance step by step
 and records every discrepancy in `violations` (as it does for wrong roots or broken proto semantics).
+A Propose whose root lies inside the prompt (j < 0: a prefill chunk's rows sent ahead) must carry the
+prompt's token there when the test gave the prompt; it gets an unscripted tree (the verifier drops it).
 
 It honours the proto like the real drafter: GetInfo (block_size, target_layer_ids, ...), per-session
 cache length with resync_required on a mismatch, `reset`, Release (unknown → INVALID_ARGUMENT), per-item
@@ -46,6 +48,7 @@ SERVICE_NAME = "ddtree.internal.v1.Drafter"
 class Expected:
     prompt_len: int
     continuation: list[int]  # the target's tokens from output index 0
+    prompt: list[int] | None = None  # checks the roots of prefill rows sent ahead, when given
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Record:
     planned: Counter = field(default_factory=Counter)  # planned accepted length -> trees
     branch_ranks: Counter = field(default_factory=Counter)  # sibling rank of accepted path nodes
     accepted_depths: Counter = field(default_factory=Counter)
+    ahead: list[tuple[int, int]] = field(default_factory=list)  # (start, rows) of items rooted in the prompt
     violations: list[str] = field(default_factory=list)
 
 
@@ -94,9 +98,10 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
         self.lock = threading.Lock()
 
     # ---- test API
-    def expect(self, session_id: str, prompt_len: int, continuation: list[int]) -> None:
+    def expect(self, session_id: str, prompt_len: int, continuation: list[int],
+               prompt: list[int] | None = None) -> None:
         with self.lock:
-            self.expected[session_id] = Expected(prompt_len, list(continuation))
+            self.expected[session_id] = Expected(prompt_len, list(continuation), prompt)
 
     # ---- gRPC
     def GetInfo(self, request, context):
@@ -185,7 +190,7 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
         """-> (DraftTree, planned accepted count or None when the tree is not scripted, root index)."""
         e = self.expected.get(sid)
         budget = self.block_size - 1 if chain else item.tree_budget
-        if e is None:  # an unscripted session: any valid tree
+        if e is None or cache_len < e.prompt_len:  # an unscripted session, or prefill rows sent ahead: any tree
             n = min(budget, self.block_size - 1)
             return _chain_tree([(item.root_token + d) % self.vocab for d in range(1, n + 1)]), None, -1
         j = cache_len - e.prompt_len
@@ -212,6 +217,14 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
             return
         j = root_position - e.prompt_len
         v = self.record.violations
+        if j < 0:  # prefill rows sent ahead: the root is the next prompt token
+            self.record.ahead.append((item.start_position, root_position - item.start_position))
+            if e.prompt is not None and item.root_token != e.prompt[root_position]:
+                v.append(f"{sid}: root {item.root_token} at prompt position {root_position}, the prompt has "
+                         f"{e.prompt[root_position]}")
+            if s.last is not None:
+                v.append(f"{sid}: a tree planned {s.last[1]} accepted tokens, then a root inside the prompt")
+            return
         if not 0 <= j < len(e.continuation):
             v.append(f"{sid}: root index {j} outside the continuation (start {item.start_position})")
         elif item.root_token != e.continuation[j]:

@@ -85,7 +85,7 @@ def test_next_propose_is_sent_before_the_step_returns(tiny_ckpt, scripted_server
         ar = _run(engine, "ar", AR)
         drafter.expect("tree", len(PROMPT), ar)
         tree = _run(engine, "tree", DDTREE, on_step=sent_ahead)
-        assert engine.inflight is None or "tree" not in [s.id for s in engine.inflight.sessions]
+        assert all("tree" not in f.session_ids for f in engine.inflight)
     finally:
         engine.drafting.client.close()
     assert len(ar) == N and tree == ar, "drafts sent ahead changed the output"
@@ -110,7 +110,7 @@ def test_cancel_with_a_propose_in_flight_releases_after_it(tiny_ckpt, scripted_s
         engine.submit(s)
         engine._admit()
         engine.step()  # prefill: the first token, and the session's first Propose sent ahead (held)
-        assert engine.inflight is not None and "cancelled" in engine.inflight.session_ids
+        assert any("cancelled" in f.session_ids for f in engine.inflight)
         engine._finish_cancelled("cancelled")
         assert s.finished
         assert _wait(lambda: "cancelled" in drafter.record.releases, 5), "the drafter never saw a Release"
@@ -118,3 +118,43 @@ def test_cancel_with_a_propose_in_flight_releases_after_it(tiny_ckpt, scripted_s
     finally:
         drafter.faults.hold_s = 0.0
         engine.drafting.client.close()
+
+
+def test_prefill_rows_go_ahead_chunk_by_chunk(tiny_ckpt, scripted_server):  # noqa: F811
+    """A prompt prefilled in chunks: each chunk's feature rows go to the drafter as soon as the chunk is done
+    (rooted at the next prompt token; the tree answered is dropped), a prefill step does not wait for that
+    answer, and the first decode Propose carries only the last chunk's rows. The output still equals AR."""
+    drafter, server = scripted_server
+    config = VerifierConfig(model=str(tiny_ckpt), device="cpu", dtype="float32", kv_cache_mb=8, page_size=16,
+                            drafter=(server.address,), draft_deadline_ms=5000, prefill_chunk=3)
+    engine = build_engine(config)
+    engine.runner.target_layer_ids = tuple(drafter.layer_ids)
+    try:
+        ar = _run(engine, "ar-chunked", AR)
+        drafter.expect("chunked", len(PROMPT), ar, prompt=list(PROMPT))
+        before = (drafter.record.resyncs, len(drafter.record.reset_starts), len(drafter.record.ahead))
+        s = Session("chunked", list(PROMPT), GenParams(max_new_tokens=N, ignore_eos=True, mode=DDTREE, tree_budget=8),
+                    [].append, window=64)
+        s.features_on = True
+        drafter.faults.hold_s = 1.0  # every Propose is read 1 s late
+        engine.submit(s)
+        engine._admit()
+        engine.step()  # chunk [0, 3): its rows go ahead
+        engine.step()  # chunk [3, 6) does not wait for the first call, and goes ahead too
+        assert not s.decoding and len(engine.inflight) == 2 and not engine.inflight[0].answered()
+        drafter.faults.hold_s = 0.0
+        out = []
+        s.emit = out.append
+        while not s.finished:
+            engine._admit()
+            engine.step()
+        tree = [t for e in out for t in e.token_ids]
+    finally:
+        drafter.faults.hold_s = 0.0
+        engine.drafting.client.close()
+    assert tree == ar, "prefill rows sent ahead changed the output"
+    assert drafter.record.ahead[before[2]:] == [(0, 3), (3, 3)]
+    # The first decode Propose started at 6 (else the drafter had answered resync_required); the only reset
+    # is the session's first item, which opens its drafter cache.
+    assert drafter.record.resyncs == before[0] and drafter.record.reset_starts[before[1]:] == [0]
+    assert drafter.record.accepted_depths and not drafter.record.violations, drafter.record.violations[:5]

@@ -1,10 +1,11 @@
 """The verifier's decode loop: continuous batching of prefill chunks and tree verifies.
 
 One step = (1) admit waiting sessions while KV pages last; (2) the decoding sessions' drafts: the
-Propose calls sent at the end of the previous step, plus one now for sessions without one; (3) ONE
+Propose calls sent at the end of earlier steps, plus one now for sessions without one; (3) ONE
 target forward over every prefill chunk and every session's [root, tree nodes…] rows; (4) accept per
 session (greedy walk or sample-and-walk) and keep the accepted rows' features; (5) send the next
-step's Propose, then commit the accepted rows' KV and emit path + bonus tokens while it drafts.
+step's Propose (with a prefilling session's chunk rows, which go ahead to the drafter while the next
+chunk prefills), then commit the accepted rows' KV and emit path + bonus tokens while it drafts.
 The loop runs in its own thread; gRPC handlers talk to it through `submit` and `cancel`.
 """
 
@@ -20,7 +21,7 @@ import torch
 from ddtree.v1 import generation_pb2 as pb
 from service_kit.logs import get_logger
 from verifier_service import metrics
-from verifier_service.drafting import DraftPlanner
+from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
 from verifier_service.stepping import accept_session, fetch_outputs, first_token
@@ -42,7 +43,7 @@ class Engine:
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
         self.block_size = 0  # the drafter's, once it has told us
         self.on_fatal = None  # set at world size > 1: called (from the loop thread) when a step fails
-        self.inflight = None  # drafting.InFlight: the next step's Propose calls, sent ahead
+        self.inflight: list[InFlight] = []  # Propose calls sent ahead, oldest first
         self.waiting: deque[Session] = deque()
         self.active: dict[str, Session] = {}
         self.reserved: dict[str, int] = {}  # pages promised to each admitted session
@@ -163,10 +164,16 @@ class Engine:
 
     def _drafts(self, decoding: list[Session]) -> dict:
         """The drafts sent for ahead (sessions finished since are dropped by `_rows`), and a Propose
-        now for decoding sessions that have none in flight (just prefilled, or sent none)."""
-        inflight, self.inflight = self.inflight, None
-        drafts = self.drafting.receive(inflight) if inflight is not None else {}
-        sent = inflight.session_ids if inflight is not None else set()
+        now for decoding sessions that have none in flight (just prefilled, or sent none). Calls are
+        collected oldest first; while no decoding session waits on one (prefill rows sent ahead), only
+        those already answered, so a prefill step never waits for the drafter."""
+        ids = {s.id for s in decoding}
+        wait = any(f.session_ids & ids for f in self.inflight)
+        drafts, sent = {}, set()
+        while self.inflight and (wait or self.inflight[0].answered()):
+            f = self.inflight.pop(0)
+            drafts.update(self.drafting.receive(f))  # a later call's tree replaces an earlier one's
+            sent |= f.session_ids
         rest = [s for s in decoding if s.id not in sent]
         return drafts | self.drafting.draft(rest) if rest else drafts
 
@@ -243,8 +250,13 @@ class Engine:
         kept = self._kept_features(keep, out.hidden, host.hidden) if keep else []
         ends = [(s, *self._settle(s, tokens), logprobs, steps) for s, tokens, logprobs, steps in emits]
         if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
-            self.inflight = self.drafting.send([s for s, _, reason, *_ in ends if reason is None],
-                                               {s.id: (position, rows) for s, position, rows in kept})
+            ready = [s for s, _, reason, *_ in ends if reason is None]
+            chunked = [job["s"] for job in live if job["kind"] == "prefill" and not job["logit_rows"]
+                       and features and job["s"].features_on]  # mid-prompt: these rows go ahead
+            sent = self.drafting.send(ready + chunked, {s.id: (position, rows) for s, position, rows in kept},
+                                      ahead={s.id: s.prompt[s.prefilled] for s in chunked})
+            if sent is not None:
+                self.inflight.append(sent)
         for s, position, rows in kept:
             if s.features.end != position + rows.shape[0]:  # else a reset request appended them already
                 s.features.append(position, rows)  # raises unless the ring ends at `position`
