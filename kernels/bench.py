@@ -151,8 +151,8 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return 2 * a.numel() / t
 
 
-def _row(kernel: str, case: str, t: float, nbytes: float, copy_bw: float, t_ref: float | None,
-         flops: float = 0.0) -> dict:
+def result_row(kernel: str, case: str, t: float, nbytes: float, copy_bw: float, t_ref: float | None,
+               flops: float = 0.0) -> dict:
     return dict(kernel=kernel, case=case, us=t * 1e6, MB=nbytes / 1e6, GBs=nbytes / t / 1e9,
                 copy_frac=nbytes / t / copy_bw, TFLOPs=flops / t / 1e12,
                 ref_us=None if t_ref is None else t_ref * 1e6)
@@ -178,8 +178,8 @@ def bench_moe(copy_bw: float) -> list[dict]:
         t_ref = gpu_time([lambda: moe_w4a16_ref(x, ids, w, experts)], reps=3, graph=False)
         t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
         t2 = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])  # run-to-run spread
-        row = _row("moe_w4a16", f"T={T} experts={used} tok/exp={T * k // max(used, 1) if active >= k else n}",
-                   t, used * per_expert + 2 * x.nbytes, copy_bw, t_ref)
+        row = result_row("moe_w4a16", f"T={T} experts={used} tok/exp={T * k // max(used, 1) if active >= k else n}",
+                         t, used * per_expert + 2 * x.nbytes, copy_bw, t_ref)
         row["spread_us"] = abs(t - t2) * 1e6
         if active in (1, 3, 8) or n == 16:
             row["breakdown_us"] = kernel_breakdown(lambda: moe.moe_w4a16(x, ids, w, experts))
@@ -190,16 +190,16 @@ def bench_moe(copy_bw: float) -> list[dict]:
                 t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
             finally:  # the rows after it (and the PDL row) run the automatic split
                 moe.SPLIT = None
-            rows.append(_row("moe_w4a16", f"T={T} experts={used} split={split}", t, used * per_expert + 2 * x.nbytes,
-                             copy_bw, t_ref))
+            rows.append(result_row("moe_w4a16", f"T={T} experts={used} split={split}", t,
+                                   used * per_expert + 2 * x.nbytes, copy_bw, t_ref))
         if n == 1:  # the same with programmatic dependent launch flipped (on by default: moe.PDL)
             default, moe.PDL = moe.PDL, not moe.PDL
             try:
                 t = gpu_time([lambda i=i: moe.moe_w4a16(x, i, w, experts) for i in shifted])
             finally:
                 moe.PDL = default
-            rows.append(_row("moe_w4a16", f"T={T} experts={used} {'PDL' if not default else 'no PDL'}", t,
-                             used * per_expert + 2 * x.nbytes, copy_bw, t_ref))
+            rows.append(result_row("moe_w4a16", f"T={T} experts={used} {'PDL' if not default else 'no PDL'}", t,
+                                   used * per_expert + 2 * x.nbytes, copy_bw, t_ref))
     return rows
 
 
@@ -224,8 +224,8 @@ def bench_mla(copy_bw: float, configs: tuple = (None,)) -> list[dict]:
             mla.CONFIG = config
             t = gpu_time([lambda c=c: mla.mla_tree_attention(*c, scale) for c in copies])
             tag = "auto" if config is None else "mt={} st={}".format(*config)
-            row = _row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} {tag}", t, nbytes, copy_bw,
-                       t_ref, flops)
+            row = result_row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} {tag}", t, nbytes, copy_bw,
+                             t_ref, flops)
             row["roof_frac"] = max(nbytes / copy_bw, flops / BF16_FLOPS) / t
             rows.append(row)
         mla.CONFIG = None
@@ -244,14 +244,14 @@ def bench_small(copy_bw: float) -> list[dict]:
         nbytes = 2 * K26["LAYERS"] * n * 576 * 2
         t = gpu_time([lambda s=s, d=d: kv_commit(kv, s, d) for s, d in zip(src, dst)])
         t_ref = gpu_time([lambda: kv_commit_ref(kv, src[0], dst[0])], graph=False)
-        rows.append(_row("kv_commit", f"rows={n} layers={K26['LAYERS']}", t, nbytes, copy_bw, t_ref))
+        rows.append(result_row("kv_commit", f"rows={n} layers={K26['LAYERS']}", t, nbytes, copy_bw, t_ref))
     for S, N in ((1, 16), (8, 64)):
         parents = torch.stack([torch.arange(N) // 2 for _ in range(S)]).cuda()  # binary-ish tree
         tokens = torch.randint(0, 4, (S, N), device="cuda")
         target = torch.randint(0, 4, (S, N + 1), device="cuda")
         t = gpu_time([lambda: tree_accept(tokens, parents, target)] * 20)
         t_ref = gpu_time([lambda: tree_accept_ref(tokens, parents, target)], reps=3, graph=False)
-        rows.append(_row("tree_accept", f"sessions={S} nodes={N}", t, tokens.nbytes * 3, copy_bw, t_ref))
+        rows.append(result_row("tree_accept", f"sessions={S} nodes={N}", t, tokens.nbytes * 3, copy_bw, t_ref))
     from kernels.rms_norm import rms_norm, rms_norm_ref
 
     for T, D in ((1, K26["H"]), (33, K26["H"]), (33, 1536), (33, 512), (4096, K26["H"])):  # hidden, q/kv latents
@@ -259,7 +259,7 @@ def bench_small(copy_bw: float) -> list[dict]:
         w = torch.randn(D, device="cuda").bfloat16()
         t = gpu_time([lambda x=x: rms_norm(x, w, 1e-6) for x in xs])
         t_ref = gpu_time([lambda x=x: rms_norm_ref(x, w, 1e-6) for x in xs])  # graphed too: ~6 launches
-        rows.append(_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
+        rows.append(result_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
     from kernels.moe_gate import moe_gate, moe_gate_ref
 
     gate = torch.randn(K26["E"], K26["H"], device="cuda") * K26["H"] ** -0.5  # fp32, as K2.6 keeps it
@@ -268,15 +268,15 @@ def bench_small(copy_bw: float) -> list[dict]:
         xs = [torch.randn(T, K26["H"], device="cuda").bfloat16() for _ in range(8)]
         t = gpu_time([lambda x=x: moe_gate(x, gate, bias, 8, 2.827) for x in xs])
         t_ref = gpu_time([lambda x=x: moe_gate_ref(x, gate, bias, 8, 2.827) for x in xs])
-        rows.append(_row("moe_gate", f"rows={T} experts={K26['E']}", t, gate.nbytes + T * K26["H"] * 2, copy_bw,
-                         t_ref))
+        rows.append(result_row("moe_gate", f"rows={T} experts={K26['E']}", t, gate.nbytes + T * K26["H"] * 2, copy_bw,
+                               t_ref))
     from kernels.silu_mul import silu_mul, silu_mul_ref
 
     for T, I in ((1, 2048), (16, 2048), (16, 18432), (64, 2048)):  # shared expert, dense layer 0
         xs = [torch.randn(T, 2 * I, device="cuda").bfloat16() for _ in range(8)]
         t = gpu_time([lambda x=x: silu_mul(x) for x in xs])
         t_ref = gpu_time([lambda x=x: silu_mul_ref(x) for x in xs])  # two strided launches
-        rows.append(_row("silu_mul", f"rows={T} inter={I}", t, 3 * T * I * 2, copy_bw, t_ref))
+        rows.append(result_row("silu_mul", f"rows={T} inter={I}", t, 3 * T * I * 2, copy_bw, t_ref))
     return rows
 
 
@@ -299,58 +299,7 @@ def bench_linear(copy_bw: float) -> list[dict]:
             t = gpu_time([lambda x=x: skinny_linear(x, w) for x in xs])
             t_ref = gpu_time([lambda x=x: F.linear(x, w) for x in xs])
             nbytes = (N * K + M * K + M * N) * 4
-            rows.append(_row("skinny_linear", f"fp32 rows={M} K={K} N={N}", t, nbytes, copy_bw, t_ref))
-    return rows
-
-
-# (sessions, depths, k, budget): K2.6's drafter block 8 -> depths 1..7; the engine uses k = budget
-# (drafter_service/engine.py); k < budget and depth 15 (block 16) as in earlier sessions.
-DDTREE_CASES = ((1, 7, 8, 16), (8, 7, 8, 16), (8, 7, 16, 16), (8, 7, 16, 64), (8, 7, 64, 64), (8, 15, 16, 64),
-                (1, 15, 8, 16))
-
-
-def bench_ddtree(copy_bw: float, build=None) -> list[dict]:
-    """ddtree_build on bf16 logits [S, L, 163840] (randn x 3), rotating enough copies that the
-    calls do not hit L2 (H200: 50 MB). `build` times another implementation of the same signature."""
-    from kernels.ddtree_build import ddtree_build, ddtree_build_ref
-
-    build = build or ddtree_build
-    rows = []
-    for S, L, k, budget in DDTREE_CASES:
-        one = S * L * 163840 * 2
-        n = min(32, -(-128 * 10**6 // one))
-        copies = [(torch.randn(S, L, 163840, device="cuda") * 3).bfloat16() for _ in range(n)]
-        t = gpu_time([lambda x=x: build(x, k, budget) for x in copies])
-        t_ref = gpu_time([lambda: ddtree_build_ref(copies[0], k, budget)], reps=3, graph=False)
-        rows.append(_row("ddtree_build", f"sessions={S} depth={L} k={k} budget={budget}", t, one, copy_bw, t_ref))
-    return rows
-
-
-# (sessions, context pages of 64 keys, q heads, kv heads, head dim): Kimi's DFlash drafter (64 / 8 x 128) at 1K
-# and 4K context, 8 sessions; the tiny drafter (6 / 2 x 64). Block 8.
-DFLASH_CASES = ((1, 16, 64, 8, 128), (1, 65, 64, 8, 128), (8, 65, 64, 8, 128), (1, 4, 6, 2, 64))
-
-
-def bench_dflash(copy_bw: float) -> list[dict]:
-    """dflash_attention against its reference; bytes = the visible keys' K and V (4 copies rotated: > L2)."""
-    from kernels.dflash_attention import dflash_attention, dflash_attention_ref
-
-    rows = []
-    for B, pages, nh, nkv, hd in DFLASH_CASES:
-        slots, Bk = B * pages * 64, 8
-        cases = []
-        for _ in range(4):
-            pool = torch.randn(2, slots, nkv, hd, device="cuda").bfloat16()
-            table = torch.randperm(B * pages, device="cuda").view(B, pages)
-            q = torch.randn(B, Bk, nh, hd, device="cuda").bfloat16()
-            blk = torch.randn(2, B, Bk, nkv, hd, device="cuda").bfloat16()
-            mask = torch.ones(B, 1, pages * 64 + Bk, dtype=torch.bool, device="cuda").expand(-1, Bk, -1)
-            cases.append((q, pool[0], pool[1], table, 64, blk[0], blk[1], mask, hd**-0.5))
-        t = gpu_time([lambda c=c: dflash_attention(*c) for c in cases])
-        t_ref = gpu_time([lambda: dflash_attention_ref(*cases[0])], reps=5, graph=False)
-        nbytes = B * (pages * 64 + Bk) * nkv * hd * 2 * 2
-        rows.append(_row("dflash_attention", f"sessions={B} keys={pages * 64} heads={nh}/{nkv}x{hd}", t, nbytes,
-                         copy_bw, t_ref))
+            rows.append(result_row("skinny_linear", f"fp32 rows={M} K={K} N={N}", t, nbytes, copy_bw, t_ref))
     return rows
 
 
@@ -360,6 +309,8 @@ def main(preset: str = "k26", out: str | None = None, only: str | None = None) -
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []
+    from kernels.bench_drafter import bench_ddtree, bench_dflash
+
     for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_ddtree, bench_dflash):
         if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree / dflash
             rows += bench(bw)
