@@ -164,16 +164,19 @@ class Engine:
 
     def _drafts(self, decoding: list[Session]) -> dict:
         """The drafts sent for ahead (sessions finished since are dropped by `_rows`), and a Propose
-        now for decoding sessions that have none in flight (just prefilled, or sent none). Calls are
-        collected oldest first; while no decoding session waits on one (prefill rows sent ahead), only
-        those already answered, so a prefill step never waits for the drafter."""
+        now for decoding sessions that have none in flight (just prefilled, or sent none). A call is
+        waited for only if a decoding session is in it; one that carries only prefill rows sent ahead is
+        collected once answered, so a prefill never waits for the drafter. (Folding calls out of send
+        order is safe: a session's failure is never undone by an older success, see drafting.py.)"""
         ids = {s.id for s in decoding}
-        wait = any(f.session_ids & ids for f in self.inflight)
-        drafts, sent = {}, set()
-        while self.inflight and (wait or self.inflight[0].answered()):
-            f = self.inflight.pop(0)
-            drafts.update(self.drafting.receive(f))  # a later call's tree replaces an earlier one's
-            sent |= f.session_ids
+        drafts, sent, kept = {}, set(), []
+        for f in self.inflight:  # oldest first: a later call's tree replaces an earlier one's
+            if f.session_ids & ids or f.answered():
+                drafts.update(self.drafting.receive(f))
+                sent |= f.session_ids
+            else:
+                kept.append(f)
+        self.inflight = kept
         rest = [s for s in decoding if s.id not in sent]
         return drafts | self.drafting.draft(rest) if rest else drafts
 
