@@ -26,3 +26,14 @@ def project(x: torch.Tensor, weight: torch.Tensor, kernel: bool = False) -> torc
 
         return skinny_linear(x, weight)
     return F.linear(x, weight)
+
+
+def fuse_rows(weights, fused: str, first: str, second: str) -> None:
+    """In a frozen weights dataclass's __post_init__: field `fused` = [first ; second] (rows, one new tensor)
+    and the two named fields become views of it, so projections that read the same input run as one GEMM
+    and the weights are held once."""
+    a, b = getattr(weights, first), getattr(weights, second)
+    cat = torch.cat([a, b])
+    object.__setattr__(weights, fused, cat)
+    object.__setattr__(weights, first, cat[: a.shape[0]])
+    object.__setattr__(weights, second, cat[a.shape[0]:])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from verifier_service.linear import project
+from verifier_service.linear import fuse_rows, project
 from verifier_service.model_config import K2Config
 from verifier_service.plan import BatchPlan, KeyGroup
 from verifier_service.rope import apply_rope
@@ -48,11 +48,8 @@ class MLAWeights:
     o_proj: torch.Tensor  # [H, heads_local * v_head_dim]
     qkv_a_proj: torch.Tensor = field(init=False, repr=False)  # [q_a_proj ; kv_a_proj_with_mqa]
 
-    def __post_init__(self) -> None:  # views of one new tensor: the weights are held once
-        fused, q = torch.cat([self.q_a_proj, self.kv_a_proj_with_mqa]), self.q_a_proj.shape[0]
-        object.__setattr__(self, "qkv_a_proj", fused)
-        object.__setattr__(self, "q_a_proj", fused[:q])
-        object.__setattr__(self, "kv_a_proj_with_mqa", fused[q:])
+    def __post_init__(self) -> None:
+        fuse_rows(self, "qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.int4 import Int4Weight, linear
-from verifier_service.linear import on_kernel, project
+from verifier_service.linear import fuse_rows, on_kernel, project
 from verifier_service.model_config import K2Config
 
 ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
@@ -33,11 +33,8 @@ class MLPWeights:
     down_proj: torch.Tensor  # [H, I]
     gate_up_proj: torch.Tensor = field(init=False, repr=False)  # [gate_proj ; up_proj]
 
-    def __post_init__(self) -> None:  # views of one new tensor: the weights are held once
-        fused, i = torch.cat([self.gate_proj, self.up_proj]), self.gate_proj.shape[0]
-        object.__setattr__(self, "gate_up_proj", fused)
-        object.__setattr__(self, "gate_proj", fused[:i])
-        object.__setattr__(self, "up_proj", fused[i:])
+    def __post_init__(self) -> None:
+        fuse_rows(self, "gate_up_proj", "gate_proj", "up_proj")
 
 
 @dataclass(frozen=True)
