@@ -74,7 +74,7 @@ class DraftPlanner:
 
     def draft(self, sessions: list[Session]) -> dict[str, Draft]:
         """session_id → Draft for the sessions that got one this step (others verify root-only)."""
-        wanted, requests, replica_of = self._requests(sessions, {})
+        wanted, requests, replica_of = self._requests(sessions, {}, {})
         if not requests:
             return {}
         return self._fold(wanted, self.client.propose(requests, replica_of))
@@ -95,9 +95,7 @@ class DraftPlanner:
         drafts = self._fold(inflight.sessions, self.client.collect(inflight.futures))
         return {sid: d for sid, d in drafts.items() if sid not in inflight.ahead}
 
-    def _requests(self, sessions: list[Session], fresh: dict[str, tuple[int, torch.Tensor]],
-                  roots: dict[str, int] | None = None):
-        roots = roots or {}
+    def _requests(self, sessions: list[Session], fresh: dict[str, tuple[int, torch.Tensor]], roots: dict[str, int]):
         wanted = [s for s in sessions if s.params.mode != AR and (s.features.rows is not None or s.id in fresh)]
         requests = [r for r in (self._request(s, fresh.get(s.id), roots.get(s.id)) for s in wanted) if r is not None]
         sent = {r.session_id for r in requests}
