@@ -60,8 +60,9 @@ def test_skinny_linear_fits():
     assert not fits(x.bfloat16(), w) and not fits(x.cpu(), w.cpu()) and not fits(x[:, 1:33], w[:, 1:33])
 
 
+@pytest.mark.parametrize("down_by_row", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 64])
-def test_dense_moe_through_projections(tiny_model, rows):  # noqa: F811 (pytest fixture)
+def test_dense_moe_through_projections(tiny_model, rows, down_by_row):  # noqa: F811 (pytest fixture)
     """moe_experts_dense with `kernel` (every expert as three skinny projections, router weights folded into
     the activations) against the reference loop on CPU, fp32, for a whole rank and an expert-parallel slice."""
     cfg, w = tiny_model.cfg, tiny_model.weights.layers[2].mlp
@@ -73,7 +74,8 @@ def test_dense_moe_through_projections(tiny_model, rows):  # noqa: F811 (pytest 
                              for m in (ex.gate_proj, ex.up_proj, ex.down_proj)), first=ex.first + lo)
         want = moe_experts_ref(x, ids, weights, part)
         dense = dense_stack(ExpertStack(*(Int4Weight(m.packed.cuda(), m.scale.cuda(), m.shape) for m in
-                                          (part.gate_proj, part.up_proj, part.down_proj)), part.first), torch.float32)
+                                          (part.gate_proj, part.up_proj, part.down_proj)), part.first), torch.float32,
+                            down_by_row=down_by_row)
         assert on_kernel(x.cuda(), dense.gate_proj.reshape(-1, cfg.hidden_size), True)  # the projected path runs
         got = moe_experts_dense(x.cuda(), ids.cuda(), weights.cuda(), dense, kernel=True).cpu()
         assert ((got - want).norm() / want.norm()).item() < 1e-5, (lo, hi)

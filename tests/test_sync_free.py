@@ -187,6 +187,18 @@ def test_dense_moe_equals_reference(tiny_model):
     assert empty.shape == (0, x.shape[1])
 
 
+def test_dense_stack_down_by_row(tiny_model):
+    """The by-row down layout holds the same values, reads as [H, E·I] without a copy, and the dense path
+    over it still equals the reference."""
+    x, ids, weights, ex = _moe_inputs(tiny_model)
+    plain, by_row = dense_stack(ex, x.dtype), dense_stack(ex, x.dtype, down_by_row=True)
+    assert torch.equal(plain.down_proj, by_row.down_proj)
+    E, H, I = by_row.down_proj.shape
+    flat = by_row.down_proj.permute(1, 0, 2).reshape(H, E * I)
+    assert flat.data_ptr() == by_row.down_proj.data_ptr() and flat.is_contiguous()
+    assert rel(moe_experts_dense(x, ids, weights, by_row), moe_experts_ref(x, ids, weights, ex)) < TOL
+
+
 def test_dense_moe_bf16_close_to_reference(tiny_model):
     x, ids, weights, ex = _moe_inputs(tiny_model, layer=3, rows=40, dtype=torch.bfloat16)
     got = moe_experts_dense(x, ids, weights, dense_stack(ex, torch.bfloat16))

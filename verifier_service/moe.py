@@ -140,13 +140,18 @@ def dense_fits(rows: int, experts: ExpertStack) -> bool:
     return experts.count * rows <= DENSE_MAX_PAIRS
 
 
-def dense_stack(experts: ExpertStack, dtype: torch.dtype) -> ExpertStack:
+def dense_stack(experts: ExpertStack, dtype: torch.dtype, down_by_row: bool = False) -> ExpertStack:
     """The same experts as dense [E_local, out, in] tensors in `dtype` (dequantized once: E_local·3·H·I
-    values, 4x the INT4 bytes at bf16), exactly what the reference dequantizes per call."""
+    values, 4x the INT4 bytes at bf16), exactly what the reference dequantizes per call.
+    down_by_row: down's [E, H, I] is a view of [H, E, I] storage, so that the projected path
+    (`_experts_projected`) reads it as [H, E·I] without a copy per call."""
     def dense(w: ExpertMatrix) -> torch.Tensor:
         return w.dequantize(dtype) if isinstance(w, Int4Weight) else w.to(dtype)
 
-    return ExpertStack(dense(experts.gate_proj), dense(experts.up_proj), dense(experts.down_proj), experts.first)
+    down = dense(experts.down_proj)
+    if down_by_row:
+        down = down.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    return ExpertStack(dense(experts.gate_proj), dense(experts.up_proj), down, experts.first)
 
 
 def moe_experts_dense(
@@ -176,8 +181,9 @@ def moe_experts_dense(
 
 def _experts_projected(x, combine, gate, up, down) -> torch.Tensor:
     """moe_experts_dense as projections (kernels/skinny_linear): [T, E·I] gate and up of every expert in one
-    launch each, then y = (combine ⊙ act) [T, E·I] @ down as [H, E·I] (copied per call: 4.7 MB for the tiny
-    target). cuBLAS's batched fp32 GEMMs at 17 rows cost ~7.5 us each, 15 of them per tiny-target verify."""
+    launch each, then y = (combine ⊙ act) [T, E·I] @ down as [H, E·I] (a view of a `dense_stack(...,
+    down_by_row=True)`, else a copy per call: 4.7 MB for the tiny target). cuBLAS's batched fp32 GEMMs at
+    17 rows cost ~7.5 us each, 15 of them per tiny-target verify."""
     T, (E, I, H) = x.shape[0], gate.shape
     act = F.silu(project(x, gate.reshape(E * I, H), True)) * project(x, up.reshape(E * I, H), True)  # [T, E·I]
     act = (act.view(T, E, I) * combine[:, :, None]).view(T, E * I)
