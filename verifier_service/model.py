@@ -165,8 +165,8 @@ class K2Model:
         need = sum(3 * ex.count * ex.gate_proj.shape[-2] * ex.gate_proj.shape[-1] for ex in layers.values())
         if need * self.dtype.itemsize > DENSE_EXPERTS_MAX_BYTES:
             return {}
-        by_row = self.use_kernels and self.device.type == "cuda"  # the projected path reads down as [H, E·I]
-        return {i: dense_stack(ex, self.dtype, down_by_row=by_row) for i, ex in layers.items()}
+        # with the kernels, the projected path (skinny_linear) reads down as [H, E·I]
+        return {i: dense_stack(ex, self.dtype, down_by_row=self.fused) for i, ex in layers.items()}
 
     def _moe_kernel(self, w: MoEWeights) -> bool:
         return self.use_kernels and kernel_fits_for(self.device, self.dtype, w.experts)
