@@ -30,6 +30,9 @@ class DrafterConfig(ServerConfig):
     kernels: bool = option(True, "on GPU, build trees with the CUDA kernel (false: torch top-K + host heap)")
     cuda_graphs: bool = option(True, "on GPU, replay each step's inject and block forward from CUDA graphs "
                                "(false: eager launches)")
+    propose_port: int = option(0, "TCP port of the framed Propose stream the verifier prefers to gRPC (same "
+                               "messages, ~0.6 ms less per step on an H200 host); 0 = any free port, "
+                               "advertised in GetInfo.propose_port; -1 = off (gRPC only)")
     cache_mb: int = option(256, "drafter KV cache budget in MiB; least recently used sessions are evicted")
 
     def __post_init__(self):
@@ -44,5 +47,7 @@ class DrafterConfig(ServerConfig):
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:
             raise ValueError("window: must be >= 0")
+        if not -1 <= self.propose_port < 65536:
+            raise ValueError(f"propose_port: {self.propose_port} is not a TCP port, 0 or -1")
         if self.torch_threads < 0:
             raise ValueError("torch_threads: must be >= 0")

@@ -18,6 +18,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import (DraftMode, DrafterEngine, EngineOptions, ItemError, Proposal, ProposeItem,
                                     UnknownSessionError)
 from drafter_service.metrics import PROPOSE_SECONDS
+from drafter_service.propose_socket import ProposeSocketServer
 from service_kit.config import limit_torch_threads
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import configure_logging, get_logger
@@ -62,6 +63,7 @@ def result_to_proto(r) -> dpb.ProposeResult:
 class DrafterServicer(dpb_grpc.DrafterServicer):
     def __init__(self):
         self.engine: DrafterEngine | None = None
+        self.propose_port = 0  # the framed Propose port once it listens (GetInfo advertises it)
 
     def _engine(self) -> DrafterEngine:
         if self.engine is None:
@@ -69,13 +71,14 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
         return self.engine
 
     async def Propose(self, request, context):
-        return self._propose(request)
+        return self.propose(request)
 
     async def ProposeStream(self, request_iterator, context):
         async for request in request_iterator:
-            yield self._propose(request)
+            yield self.propose(request)
 
-    def _propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
+    def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
+        """One ProposeRequest answered (both transports: the RPCs and the framed port)."""
         engine = self._engine()
         with PROPOSE_SECONDS.labels("decode").time():
             decoded = [item_from_proto(i, m) for i, m in enumerate(request.items)]
@@ -99,7 +102,8 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
             block_size=i.block_size, target_layer_ids=list(i.target_layer_ids), mask_token_id=i.mask_token_id,
             target_hidden_size=i.target_hidden_size, hidden_size=i.hidden_size, vocab_size=i.vocab_size,
             max_tree_budget=i.max_tree_budget, sessions=i.sessions, cache_bytes_used=i.bytes_used,
-            cache_bytes_budget=i.bytes_total, window=i.window or 0, model_name=i.model_name)
+            cache_bytes_budget=i.bytes_total, window=i.window or 0, model_name=i.model_name,
+            propose_port=self.propose_port)
 
 
 def load_engine(config: DrafterConfig) -> DrafterEngine:
@@ -120,14 +124,18 @@ def main(config: DrafterConfig) -> int:
     configure_logging("drafter", config.log_level, json=config.log_format == "json")
     limit_torch_threads(config.device, config.torch_threads)
     servicer = DrafterServicer()
+    framed = ProposeSocketServer(servicer.propose, config.max_message_mb * 2**20)
 
     async def warmup() -> None:
         engine = await asyncio.to_thread(load_engine, config)
         graphs = await asyncio.to_thread(engine.warm_up)
         servicer.engine = engine
+        if config.propose_port >= 0:  # listens once the engine can answer
+            servicer.propose_port = await framed.start(config.host, config.propose_port)
         log.info("drafter_graphs", captured=graphs)
-        log.info("drafter_ready", **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
+        log.info("drafter_ready", propose_port=servicer.propose_port,
+                 **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
 
     asyncio.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],
-                           warmup=warmup))
+                           warmup=warmup, on_stop=framed.close))
     return 0

@@ -25,6 +25,7 @@ resync), answer late, or send malformed trees.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import zlib
@@ -38,6 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ddtree.internal.v1 import drafter_pb2 as dpb
 from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
 from ddtree.internal.v1 import tensor_pb2
+from drafter_service.propose_socket import ProposeSocketServer
 from service_kit.errors import ServiceError
 from service_kit.tensors import from_proto
 
@@ -81,6 +83,7 @@ class Record:
     branch_ranks: Counter = field(default_factory=Counter)  # sibling rank of accepted path nodes
     accepted_depths: Counter = field(default_factory=Counter)
     ahead: list[tuple[int, int]] = field(default_factory=list)  # (start, rows) of items rooted in the prompt
+    transports: Counter = field(default_factory=Counter)  # Propose calls per transport: "grpc" or "framed"
     violations: list[str] = field(default_factory=list)
 
 
@@ -95,6 +98,7 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
         self.progress: dict[str, Progress] = {}
         self.record = Record()
         self.calls = 0
+        self.propose_port = 0  # the framed Propose port, once ScriptedDrafterServer listens on one
         self.lock = threading.Lock()
 
     # ---- test API
@@ -110,7 +114,7 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
         return dpb.DrafterInfo(block_size=self.block_size, target_layer_ids=self.layer_ids,
                                mask_token_id=self.mask, target_hidden_size=self.hidden, hidden_size=self.hidden,
                                vocab_size=self.vocab, max_tree_budget=self.max_budget, sessions=n,
-                               model_name="scripted")
+                               model_name="scripted", propose_port=self.propose_port)
 
     def Release(self, request, context):
         with self.lock:
@@ -125,6 +129,7 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
             time.sleep(self.faults.hold_s)
         with self.lock:
             self.calls += 1
+            self.record.transports["framed" if context is None else "grpc"] += 1  # the framed port passes None
             late = self.faults.late_every and self.calls % self.faults.late_every == 0
             seen: set[str] = set()
             results = []
@@ -346,9 +351,11 @@ class _Rng:
 
 
 class ScriptedDrafterServer:
-    """The double served on 127.0.0.1 in this process (health included: the verifier probes it)."""
+    """The double served on 127.0.0.1 in this process (health included: the verifier probes it); with
+    `framed`, also on a framed Propose port (the drafter service's own ProposeSocketServer, on an event
+    loop thread), advertised in GetInfo as the real drafter does."""
 
-    def __init__(self, drafter: ScriptedDrafter, port: int = 0):
+    def __init__(self, drafter: ScriptedDrafter, port: int = 0, framed: bool = True):
         self.drafter = drafter
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))  # a stream holds a worker
         dpb_grpc.add_DrafterServicer_to_server(drafter, self.server)
@@ -356,11 +363,28 @@ class ScriptedDrafterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{self.port}"
+        self.framed = ProposeSocketServer(lambda r: drafter.Propose(r, None), 64 << 20) if framed else None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> "ScriptedDrafterServer":
         self.server.start()
+        if self.framed is not None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="scripted-framed", daemon=True).start()
+            self.drafter.propose_port = self._on_loop(self.framed.start("127.0.0.1", 0))
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         return self
 
+    def _on_loop(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def stop_framed(self) -> None:
+        """Closes the framed port and its connections (the gRPC service stays)."""
+        if self.loop is not None:
+            self._on_loop(self.framed.close())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop = None
+
     def stop(self) -> None:
+        self.stop_framed()
         self.server.stop(0).wait(5)

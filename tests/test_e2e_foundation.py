@@ -8,6 +8,7 @@ The module's tests share one `ddtree serve`; the SIGTERM test stops it, so it ru
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.internal.v1 import verifier_pb2_grpc as vpb_grpc
 from ddtree.v1 import generation_pb2_grpc as pb_grpc
+from service_kit.frames import MAGIC, frame_parts
 from service_kit.tensors import to_proto
+from verifier_service.propose_socket import ProposeSocket
 
 GRACE_S = 5.0
 
@@ -111,7 +114,20 @@ def test_malformed_requests_get_invalid_argument(served):
     assert [r.WhichOneof("outcome") for r in first.results] == ["error", "tree", "error"], first
     assert first.results[0].error.field == "features" and first.results[2].error.field == "features"
     assert second.results[0].WhichOneof("outcome") == "tree" and len(second.results[0].tree.tokens) == 8
-    for sid in ("foundation-stream", "foundation-good"):
+    # The same items on the drafter's framed Propose port (the verifier's default transport): the same
+    # answers; a peer whose bytes are no ProposeRequest is closed, and the port and gRPC serve on.
+    port = served.drafter.GetInfo(dpb.GetDrafterInfoRequest(), timeout=5).propose_port
+    assert port > 0
+    with socket.create_connection((HOST, port), timeout=10) as bad:
+        bad.sendall(MAGIC + b"".join(frame_parts(b"\xff" * 5)))
+        assert bad.recv(1) == b""
+    framed = ProposeSocket(HOST, port, 64 << 20)
+    good_framed = item("foundation-framed", torch.randn(3, width, dtype=torch.bfloat16))
+    third = framed.send(dpb.ProposeRequest(items=[truncated, good_framed, wrong_width]), deadline=0).result(10)
+    framed.close()
+    assert [r.WhichOneof("outcome") for r in third.results] == ["error", "tree", "error"], third
+    assert third.results[0].error.field == "features" and len(third.results[1].tree.tokens) == 8
+    for sid in ("foundation-stream", "foundation-good", "foundation-framed"):
         served.drafter.Release(dpb.ReleaseRequest(session_id=sid), timeout=5)
     e = _invalid(lambda: served.drafter.Release(dpb.ReleaseRequest(session_id="no-such-session"), timeout=5))
     assert "session_id" in e.details()

@@ -109,6 +109,7 @@ def test_greedy_lossless_with_scripted_trees(scripted, drafter):
     assert set(range(1, block)) <= set(rec.accepted_depths), rec.accepted_depths
     assert {0, 1, 2, 3} <= set(rec.branch_ranks), f"accepted nodes at sibling ranks {rec.branch_ranks}"
     assert rec.item_errors == 0 and rec.resyncs == 0
+    assert rec.transports["framed"] > 0 and rec.transports["grpc"] == 0, f"framed port by default: {rec.transports}"
 
 
 @pytest.mark.parametrize("mode, budget", [(pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)],

@@ -13,21 +13,34 @@ from scripted_drafter import SERVICE_NAME, ScriptedDrafter, ScriptedDrafterServe
 from ddtree.internal.v1.drafter_pb2 import ResyncRequired
 from verifier_service.drafter_client import Draft, DraftRequest, DrafterClient
 from verifier_service.drafting import DraftPlanner
+from verifier_service.propose_socket import ProposeSocket
+from verifier_service.propose_stream import ProposeStream
 from verifier_service.session import DDTREE, GenParams, Session
 
 HIDDEN, LAYERS, VOCAB = 16, [0, 1], 64
 WIDTH = HIDDEN * len(LAYERS)
 
 
-@pytest.fixture
-def served():
+# (the drafter's transports, the client's choice) -> the stream class that carries the Proposes
+TRANSPORTS = {"framed port": (True, "framed", ProposeSocket), "no framed port": (False, "framed", ProposeStream),
+              "grpc chosen": (True, "grpc", ProposeStream)}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def served(request):
+    framed, transport, _ = TRANSPORTS[request.param]
     drafter = ScriptedDrafter(block_size=4, target_layer_ids=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB,
                               mask_token_id=VOCAB - 1)
-    server = ScriptedDrafterServer(drafter).start()
-    client = DrafterClient((server.address,), deadline_s=2.0, probe_period_s=3600)  # probes by hand
+    server = ScriptedDrafterServer(drafter, framed=framed).start()
+    client = DrafterClient((server.address,), deadline_s=2.0, probe_period_s=3600,  # probes by hand
+                           transport=transport)
     yield drafter, server, client
     client.close()
     server.stop()
+
+
+def _stream_class(request) -> type:
+    return TRANSPORTS[request.node.callspec.params["served"]][2]
 
 
 def _request(sid: str, start: int, rows: int, reset: bool = False) -> DraftRequest:
@@ -38,11 +51,12 @@ def _propose(client: DrafterClient, *requests: DraftRequest) -> dict:
     return client.propose(list(requests), {r.session_id: client.route(r.session_id) for r in requests})
 
 
-def test_proposes_share_one_stream_and_answer_in_order(served):
+def test_proposes_share_one_stream_and_answer_in_order(served, request):
     drafter, server, client = served
     first = _propose(client, _request("a", 0, 5, reset=True), _request("b", 0, 3, reset=True))
     assert isinstance(first["a"], Draft) and isinstance(first["b"], Draft)
     stream = client._streams[server.address]
+    assert type(stream) is _stream_class(request)
     for step in range(5):  # each answer belongs to its own request: cache lengths follow the rows sent
         got = _propose(client, _request("a", 5 + step, 1))
         assert isinstance(got["a"], Draft), got

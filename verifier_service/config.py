@@ -33,6 +33,9 @@ class VerifierConfig(ServerConfig):
     page_size: int = option(64, "KV rows per page")
     prefill_chunk: int = option(512, "prompt tokens prefilled per step per session")
     max_batch: int = option(64, "sessions decoded together in one step")
+    drafter_transport: str = option("framed", "how Proposes travel: framed = the drafter's framed Propose port "
+                                    "(GetInfo.propose_port; gRPC for a replica without one), grpc = the "
+                                    "ProposeStream RPC", choices=("framed", "grpc"))
     draft_deadline_ms: float = option(2000.0, "per-step wait for drafts; late sessions verify root-only")
     feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
     drafter_max_message_mb: int = option(512, "message size limit towards the drafters, MiB (a resync "

@@ -3,7 +3,9 @@
 Called from the engine's step thread: one Propose per replica per step, in parallel; either waited
 for at once (`propose`) or sent ahead (`start`) and waited for in the next step (`collect`). Proposes
 travel on one long-lived ProposeStream per replica (no per-call setup on the step's critical path).
-A session sticks to one replica; a replica that fails or is late marks its sessions "no draft this
+A replica that advertises a framed Propose port (`DrafterInfo.propose_port`) gets the same requests
+there instead (verifier_service/propose_socket.py: ~0.6 ms less per step on an H200 host), unless
+`transport` is "grpc". A session sticks to one replica; a replica that fails or is late marks its sessions "no draft this
 step" (they verify root-only, i.e. plain AR — output unchanged). A failed replica is marked down and
 its sessions move to a healthy one on their next step with `reset` + the last `window` feature rows.
 Down replicas are probed in the background and take new sessions again once they answer.
@@ -27,11 +29,13 @@ from service_kit.health import is_serving
 from service_kit.logs import get_logger
 from service_kit.server import channel_options
 from service_kit.tensors import to_proto
+from verifier_service.propose_socket import ProposeSocket
 from verifier_service.propose_stream import ProposeStream
 
 log = get_logger("verifier.drafter_client")
 DRAFTER_SERVICE = "ddtree.internal.v1.Drafter"
 PROBES_TO_DOWN = 2  # failed health checks in a row that mark a replica down
+TRANSPORTS = ("framed", "grpc")  # how Proposes travel: the drafter's framed port when it has one, or gRPC
 
 
 @dataclass
@@ -81,9 +85,12 @@ def expand_targets(targets: tuple[str, ...]) -> list[str]:
 
 class DrafterClient:
     def __init__(self, targets: tuple[str, ...], *, deadline_s: float, max_message_mb: int = 512,
-                 probe_period_s: float = 1.0, resolve_period_s: float = 10.0):
-        self.targets, self.resolve_period_s = targets, resolve_period_s
+                 probe_period_s: float = 1.0, resolve_period_s: float = 10.0, transport: str = "framed"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: {transport!r} is not one of {', '.join(TRANSPORTS)}")
+        self.targets, self.resolve_period_s, self.transport = targets, resolve_period_s, transport
         self.deadline_s = deadline_s
+        self.max_message_bytes = max_message_mb * 2**20
         self.options = channel_options(max_message_mb)
         self.replicas: dict[str, Replica] = {}
         for address in expand_targets(targets):
@@ -91,7 +98,7 @@ class DrafterClient:
         self.assignment: dict[str, Replica] = {}
         self.lock = threading.Lock()
         self._releasing: set[grpc.Future] = set()
-        self._streams: dict[str, ProposeStream] = {}  # replica address -> its open stream (engine thread)
+        self._streams: dict[str, ProposeStream | ProposeSocket] = {}  # replica -> its open stream (engine thread)
         self._stop = threading.Event()
         self._probe = threading.Thread(target=self._probe_loop, args=(probe_period_s, targets), daemon=True)
         self._probe.start()
@@ -141,9 +148,21 @@ class DrafterClient:
         for address, msg in self._messages(requests, replica_of).items():
             stream = self._streams.get(address)
             if stream is None or stream.broken:
-                stream = self._streams[address] = ProposeStream(self.replicas[address].stub)
+                stream = self._streams[address] = self._open(self.replicas[address])
             answers[address] = stream.send(msg, deadline)
         return answers
+
+    def _open(self, replica: Replica) -> ProposeStream | ProposeSocket:
+        """A new Propose stream to `replica`: its framed port if it advertises one (asked each time: a
+        restarted drafter may listen elsewhere), else (or if that fails) a gRPC ProposeStream."""
+        if self.transport == "framed":
+            try:
+                port = replica.stub.GetInfo(dpb.GetDrafterInfoRequest(), timeout=2).propose_port
+                if port:
+                    return ProposeSocket(host_of(replica.address), port, self.max_message_bytes)
+            except (grpc.RpcError, OSError) as e:
+                log.warning("drafter_framed_port_unused", replica=replica.address, error=str(e))
+        return ProposeStream(replica.stub)
 
     def collect(self, answers: dict[str, Future]) -> dict[str, object]:
         """Waits for `start`'s answers, each until its deadline; the same answers as `propose`."""
@@ -218,6 +237,11 @@ class DrafterClient:
             stream.close()
         for r in self.replicas.values():
             r.channel.close()
+
+
+def host_of(address: str) -> str:
+    """The host part of a `host:port` target ("[::1]:50053" -> "::1")."""
+    return address.rpartition(":")[0].strip("[]")
 
 
 def _answers(resp: dpb.ProposeResponse) -> dict[str, object]:

@@ -27,13 +27,17 @@ class Answer(Future):
 
 
 class StreamEnded(grpc.RpcError):
-    """The drafter closed a ProposeStream with requests unanswered (it stopped)."""
+    """The drafter closed a ProposeStream (or a framed Propose connection) with requests unanswered."""
+
+    def __init__(self, details: str = "ProposeStream ended with requests unanswered"):
+        super().__init__(details)
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
 
     def details(self) -> str:
-        return "ProposeStream ended with requests unanswered"
+        return self._details
 
 
 _END = object()  # ends a stream's request iterator
