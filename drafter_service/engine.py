@@ -275,13 +275,14 @@ class DrafterEngine:
         block_pos = np.array([plan.length for plan in plans], dtype=np.int64)[:, None] + np.arange(cfg.block_size)
         page_table, meta = context_tables(plans)  # block root at the cache length
         logits = None if self.graphs is None else self.graphs.block(block_ids, block_pos, page_table, meta)
+        replayed = logits is not None  # the logits sit in a graph's static buffer (graphs.tree reads them)
         if logits is None:
             dev = [torch.from_numpy(a).to(self.device) for a in (block_ids, block_pos, page_table, meta)]
             logits = block_logits(self.model, self.pool, *dev)  # [B, B-1, V]
         ks = [1 if item.mode == DraftMode.CHAIN else min(item.tree_budget, self.model.vocab_size)
               for _, item, _ in work]
         if self._device_trees(work, ks):
-            return self._draft_on_device(work, logits)
+            return self._draft_on_device(work, logits, replayed)
         ids, logprobs = topk_logprobs(logits, max(ks))  # [B, B-1, K_max] on the host
         proposals = []
         for b, ((_, item, plan), k) in enumerate(zip(work, ks)):
@@ -297,18 +298,22 @@ class DrafterEngine:
         return (self.options.use_kernels and self.device.type == "cuda" and len(set(ks)) == 1 and ks[0] <= 64
                 and len(budgets) == 1 and not any(item.return_draft_logprobs for _, item, _ in work))
 
-    def _draft_on_device(self, work, logits: torch.Tensor) -> list[Proposal]:
+    def _draft_on_device(self, work, logits: torch.Tensor, replayed: bool) -> list[Proposal]:
         """kernels/ddtree_build: per-depth log-softmax + top-K and the best-first tree on the GPU;
-        only the trees cross to the host (same trees as tree.build_tree, ties included)."""
+        only the trees cross to the host (same trees as tree.build_tree, ties included). `replayed`: the
+        logits came from a block graph, so the tree replays from a graph too (graphs.tree)."""
         from kernels.ddtree_build import ddtree_build
 
         item0 = work[0][1]
         chain = item0.mode == DraftMode.CHAIN
         k = 1 if chain else min(item0.tree_budget, self.model.vocab_size)
         budget = self.cfg.horizon if chain else item0.tree_budget
-        tokens, parents, depths, count = ddtree_build(logits.contiguous(), k, budget)
-        # one device→host copy (the step's only sync): [B, 3 * budget + 1] int64
-        flat = torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1).cpu().numpy()
+        if replayed:
+            flat = self.graphs.tree(len(work), k, budget)
+        else:
+            tokens, parents, depths, count = ddtree_build(logits.contiguous(), k, budget)
+            # one device→host copy (the step's only sync): [B, 3 * budget + 1] int64
+            flat = torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1).cpu().numpy()
         tokens, parents, depths = (flat[:, i * budget:(i + 1) * budget] for i in range(3))
         count = flat[:, -1]
         trees = [Tree(tokens[b, :n].copy(), parents[b, :n].astype(np.int32), depths[b, :n].astype(np.int32))

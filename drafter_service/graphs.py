@@ -1,14 +1,20 @@
 """The drafter's per-step device work, run eagerly or replayed from CUDA graphs.
 
-A propose step on the GPU is two pieces of device work (engine.py):
+A propose step on the GPU is three pieces of device work (engine.py):
   inject_rows  new target feature rows → context K/V written into the pool;
-  block_logits the batched block forward over the sessions' context → draft logits [B, Bk-1, V].
+  block_logits the batched block forward over the sessions' context → draft logits [B, Bk-1, V];
+  ddtree_build the trees from those logits (kernels/ddtree_build).
 Eagerly each is hundreds of small kernel launches (a kimi-tiny step: ~250 launches, 8 ms of host time for
 0.5 ms of GPU work, H200 2026-11-29), so on CUDA both replay from graphs captured per shape bucket:
 
   inject: rows n padded to INJECT_BUCKETS; pad rows write to the pool's pad slot (a page no session owns);
   block:  sessions padded to BATCH_BUCKETS (pad sessions: meta row 0 → no visible context key), page-table
-          width padded to the next power of two (pad pages lie past `length`: masked).
+          width padded to the next power of two (pad pages lie past `length`: masked); every block graph of
+          a batch bucket leaves its logits in that bucket's one static logits buffer;
+  tree:   per (batch bucket, k, budget), the tree kernel over the bucket's logits buffer, its four outputs
+          packed into one int64 row per session and read back with one copy into pinned memory (its host
+          side eagerly, eight allocations and a cuda-python launch, took 150 us of a 650 us Propose on an
+          H200 host, 2026-11-30).
 
 Static inputs of a graph are views into one flat int64 device buffer, filled from a pinned host twin with
 one copy per replay. Inputs beyond the largest bucket (a resync of a long window, a very large batch) run
@@ -79,7 +85,8 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     buffers: _Buffers
     features: torch.Tensor | None  # inject graphs: [n_bucket, F] static feature rows
-    out: torch.Tensor | None  # block graphs: [B_bucket, Bk-1, V] static logits
+    out: torch.Tensor | None  # tree graphs: int64 [B_bucket, 3 * budget + 1] (tokens | parents | depths | count)
+    host: torch.Tensor | None = None  # tree graphs: pinned host twin of `out`
 
 
 class DrafterGraphs:
@@ -89,6 +96,8 @@ class DrafterGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self.inject_graphs: dict[int, _Graph] = {}
         self.block_graphs: dict[tuple[int, int], _Graph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # batch bucket -> its block graphs' static logits
+        self.tree_graphs: dict[tuple[int, int, int], _Graph] = {}  # (batch bucket, k, budget)
 
     def inject(self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray) -> bool:
         """Replay the inject graph of len(positions) rows; False (nothing done) when too many rows."""
@@ -121,7 +130,18 @@ class DrafterGraphs:
         h["page_table"][:B, :P] = page_table
         g.buffers.upload()
         g.graph.replay()
-        return g.out[:B]
+        return self.logits[bucket][:B]
+
+    def tree(self, sessions: int, k: int, budget: int) -> np.ndarray:
+        """After `block` of `sessions` sessions: the trees of its logits (kernels/ddtree_build), as host int64
+        [sessions, 3 * budget + 1] = tokens | parents | depths | count per session (valid until the next
+        call); waits for the device."""
+        bucket = next(b for b in BATCH_BUCKETS if b >= sessions)
+        g = self.tree_graphs.get((bucket, k, budget)) or self._capture_tree(bucket, k, budget)
+        g.graph.replay()
+        g.host[:sessions].copy_(g.out[:sessions], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return g.host[:sessions].numpy()
 
     def capture_all(self, block_size: int, max_batch: int = 8) -> int:
         """Capture every inject bucket and the block graphs of batches up to `max_batch` sessions at every
@@ -162,12 +182,32 @@ class DrafterGraphs:
         buffers = _Buffers({"block_ids": (bucket, block_size), "block_pos": (bucket, block_size),
                             "page_table": (bucket, pages), "meta": (bucket, 3)}, self.device)
         d = buffers.dev
-        out: list[torch.Tensor] = []
+        if bucket not in self.logits:
+            self.logits[bucket] = torch.zeros(bucket, block_size - 1, self.model.vocab_size, device=self.device)
+        out = self.logits[bucket]
 
         def run() -> None:
-            out.append(block_logits(self.model, self.pool, d["block_ids"], d["block_pos"], d["page_table"],
-                                    d["meta"]))
+            out.copy_(block_logits(self.model, self.pool, d["block_ids"], d["block_pos"], d["page_table"],
+                                   d["meta"]))
 
         graph = self._capture(run)
-        g = self.block_graphs[(bucket, pages)] = _Graph(graph, buffers, None, out[-1])
+        g = self.block_graphs[(bucket, pages)] = _Graph(graph, buffers, None, None)
+        return g
+
+    def _capture_tree(self, bucket: int, k: int, budget: int) -> _Graph:
+        from kernels.ddtree_build import ddtree_build  # its counters exist: the engine's warm-up called it
+
+        logits = self.logits[bucket]  # a block graph of this bucket ran just before
+        out = torch.zeros(bucket, 3 * budget + 1, dtype=torch.int64, device=self.device)
+
+        def run() -> None:
+            tokens, parents, depths, count = ddtree_build(logits, k, budget)
+            out[:, :budget].copy_(tokens)
+            out[:, budget: 2 * budget].copy_(parents)
+            out[:, 2 * budget: 3 * budget].copy_(depths)
+            out[:, -1].copy_(count)
+
+        graph = self._capture(run)
+        host = torch.zeros(out.shape, dtype=torch.int64, pin_memory=True)
+        g = self.tree_graphs[(bucket, k, budget)] = _Graph(graph, None, None, out, host)
         return g

@@ -19,6 +19,7 @@ from drafter_service.engine import (DraftMode, DrafterEngine, EngineOptions, Ite
                                     UnknownSessionError)
 from drafter_service.metrics import PROPOSE_SECONDS
 from drafter_service.propose_socket import ProposeSocketServer
+from service_kit import busy_poll
 from service_kit.config import limit_torch_threads
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import configure_logging, get_logger
@@ -136,6 +137,6 @@ def main(config: DrafterConfig) -> int:
         log.info("drafter_ready", propose_port=servicer.propose_port,
                  **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
 
-    asyncio.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],
-                           warmup=warmup, on_stop=framed.close))
+    busy_poll.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],
+                             warmup=warmup, on_stop=framed.close), config.busy_poll_ms)
     return 0

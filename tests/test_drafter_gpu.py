@@ -90,5 +90,6 @@ def test_graph_replay_equals_eager(tmp_path):
             assert e.tree.parents.tolist() == r.tree.parents.tolist(), step
     graphs = engines[True].graphs
     assert set(graphs.inject_graphs) == {1, 4, 8, 16, 64} and graphs.block_graphs  # the graphs did run
+    assert set(graphs.tree_graphs) == {(b, 16, 16) for b in (1, 2, 4, 8)}  # trees of batches 1, 2, 3-4, 5
     assert engines[True].warm_up() == len(INJECT_BUCKETS) + 4 * 6  # batches 1-8 x page widths 1..16, 17
     assert engines[False].warm_up() == 0

@@ -112,3 +112,18 @@ def test_a_response_to_nothing_breaks_the_connection():
             assert conn.broken
             with pytest.raises(StreamEnded, match="closed"):
                 conn.send(dpb.ProposeRequest(), deadline=0).result(1)
+
+
+def test_an_answer_nobody_waits_for_still_resolves(served):
+    """A finished session's last Propose: its Release waits for that answer (drafting.release), and no
+    step waits for it, so the connection's idle reads resolve it."""
+    drafter, server, client = served
+    assert isinstance(_propose(client, "a", 0, 2, reset=True)["a"], Draft)
+    stream = client._streams[server.address]
+    fired = []
+    answer = stream.send(dpb.ProposeRequest(), deadline=0)
+    answer.add_done_callback(lambda a: fired.append(a.exception()))
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired == [None]

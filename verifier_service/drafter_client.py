@@ -85,10 +85,12 @@ def expand_targets(targets: tuple[str, ...]) -> list[str]:
 
 class DrafterClient:
     def __init__(self, targets: tuple[str, ...], *, deadline_s: float, max_message_mb: int = 512,
-                 probe_period_s: float = 1.0, resolve_period_s: float = 10.0, transport: str = "framed"):
+                 probe_period_s: float = 1.0, resolve_period_s: float = 10.0, transport: str = "framed",
+                 busy_poll_s: float = 0.02):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.targets, self.resolve_period_s, self.transport = targets, resolve_period_s, transport
+        self.busy_poll_s = busy_poll_s
         self.deadline_s = deadline_s
         self.max_message_bytes = max_message_mb * 2**20
         self.options = channel_options(max_message_mb)
@@ -159,7 +161,8 @@ class DrafterClient:
             try:
                 port = replica.stub.GetInfo(dpb.GetDrafterInfoRequest(), timeout=2).propose_port
                 if port:
-                    return ProposeSocket(host_of(replica.address), port, self.max_message_bytes)
+                    return ProposeSocket(host_of(replica.address), port, self.max_message_bytes,
+                                         busy_poll_s=self.busy_poll_s)
             except (grpc.RpcError, OSError) as e:
                 log.warning("drafter_framed_port_unused", replica=replica.address, error=str(e))
         return ProposeStream(replica.stub)

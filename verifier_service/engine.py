@@ -328,6 +328,7 @@ def build_engine(config, info=None) -> Engine:
         log.warning("force_accept_depth_on", depth=config.force_accept_depth,
                     note="TEST ONLY: drafted paths are accepted without the target's agreement")
     drafters = (DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000,
-                              max_message_mb=config.drafter_max_message_mb, transport=config.drafter_transport)
+                              max_message_mb=config.drafter_max_message_mb, transport=config.drafter_transport,
+                              busy_poll_s=config.busy_poll_ms / 1000)
                 if config.drafter else None)
     return Engine(runner, config, drafters)
