@@ -33,9 +33,10 @@ class DrafterConfig(ServerConfig):
     propose_port: int = option(0, "TCP port of the framed Propose stream the verifier prefers to gRPC (same "
                                "messages, ~0.6 ms less per step on an H200 host); 0 = any free port, "
                                "advertised in GetInfo.propose_port; -1 = off (gRPC only)")
-    busy_poll_ms: float = option(20.0, "while requests keep coming, the event loop polls without sleeping for "
+    busy_poll_ms: float = option(-1.0, "while requests keep coming, the event loop polls without sleeping for "
                                  "this long after each (service_kit/busy_poll.py: a sleeping thread runs its next "
-                                 "Propose slower on virtualized hosts); 0 = always block")
+                                 "Propose slower on virtualized hosts); 0 = always block; -1 = 20 on a GPU, 0 on "
+                                 "CPU (where the spin would take a core from the services' compute)")
     cache_mb: int = option(256, "drafter KV cache budget in MiB; least recently used sessions are evicted")
 
     def __post_init__(self):
@@ -50,8 +51,8 @@ class DrafterConfig(ServerConfig):
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:
             raise ValueError("window: must be >= 0")
-        if self.busy_poll_ms < 0:
-            raise ValueError("busy_poll_ms: must be >= 0")
+        if self.busy_poll_ms < 0 and self.busy_poll_ms != -1:
+            raise ValueError("busy_poll_ms: must be >= 0, or -1 (auto)")
         if not -1 <= self.propose_port < 65536:
             raise ValueError(f"propose_port: {self.propose_port} is not a TCP port, 0 or -1")
         if self.torch_threads < 0:

@@ -138,5 +138,5 @@ def main(config: DrafterConfig) -> int:
                  **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
 
     busy_poll.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],
-                             warmup=warmup, on_stop=framed.close), config.busy_poll_ms)
+                             warmup=warmup, on_stop=framed.close), busy_poll.auto_ms(config.busy_poll_ms, config.device))
     return 0

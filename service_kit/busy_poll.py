@@ -43,6 +43,17 @@ class BusyPollSelector(selectors.DefaultSelector):
         return ready
 
 
+GPU_DEFAULT_MS = 20.0  # a step is a few ms: a loop that saw a request spins until the next one comes
+
+
+def auto_ms(busy_poll_ms: float, device: str) -> float:
+    """A service's `busy_poll_ms` setting -> milliseconds: -1 (auto) is GPU_DEFAULT_MS on a GPU and 0 on
+    the CPU, where the services' compute needs every core."""
+    if busy_poll_ms >= 0:
+        return busy_poll_ms
+    return 0.0 if device == "cpu" else GPU_DEFAULT_MS
+
+
 def event_loop_factory(busy_poll_ms: float):
     """An asyncio loop factory (for asyncio.Runner): a busy-polling selector loop, or the default loop at 0."""
     if busy_poll_ms <= 0:

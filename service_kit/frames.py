@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import BinaryIO
 
 MAGIC = b"DDTREE-PROPOSE/1\n"
 HEADER = struct.Struct("<I")  # the byte count of the message that follows
@@ -40,30 +39,30 @@ def frame_parts(payload: bytes) -> list[bytes]:
     return [header + payload] if len(payload) < _JOIN_BELOW else [header, payload]
 
 
-def _size(header: bytes, limit: int) -> int:
-    (n,) = HEADER.unpack(header)
+def _size(header: bytes | bytearray, limit: int) -> int:
+    (n,) = HEADER.unpack_from(header)
     if n > limit:
         raise FrameError(f"frame of {n} bytes is over the limit of {limit}")
     return n
 
 
-def read_frame(stream: BinaryIO, limit: int) -> bytes | None:
-    """The next message's bytes from a buffered binary stream (`socket.makefile("rb")`); None at a clean end
-    between frames. Raises FrameError on a size over `limit` or an end inside a frame."""
-    header = stream.read(HEADER.size)
-    if not header:
-        return None
-    if len(header) < HEADER.size:
-        raise FrameError("connection ended inside a frame header")
-    n = _size(header, limit)
-    payload = stream.read(n)
-    if len(payload) < n:
-        raise FrameError(f"connection ended after {len(payload)} of {n} frame bytes")
-    return payload
+def take_frames(inbox: bytearray, limit: int) -> list[bytes]:
+    """Removes every complete frame from the front of `inbox` (bytes received so far) and returns their
+    messages' bytes, in order; a partial frame stays for the next call. Raises FrameError on a size over
+    `limit` (as soon as its header is in)."""
+    out = []
+    while len(inbox) >= HEADER.size:
+        n = _size(inbox, limit)
+        if len(inbox) < HEADER.size + n:
+            break
+        out.append(bytes(inbox[HEADER.size: HEADER.size + n]))
+        del inbox[: HEADER.size + n]
+    return out
 
 
 async def read_frame_async(reader: asyncio.StreamReader, limit: int) -> bytes | None:
-    """`read_frame` for an asyncio stream."""
+    """The next message's bytes from an asyncio stream; None at a clean end between frames. Raises
+    FrameError on a size over `limit` or an end inside a frame."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:

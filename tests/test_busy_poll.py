@@ -53,3 +53,9 @@ def test_asyncio_servers_run_on_the_busy_poll_loop():
 
     assert busy_poll.run(echo_once(), busy_poll_ms=20) == b"hello"
     assert busy_poll.run(echo_once(), busy_poll_ms=0) == b"hello"
+
+
+def test_auto_spins_on_a_gpu_only():
+    assert busy_poll.auto_ms(-1, "cuda") == busy_poll.auto_ms(-1, "cuda:3") == busy_poll.GPU_DEFAULT_MS > 0
+    assert busy_poll.auto_ms(-1, "cpu") == 0.0
+    assert busy_poll.auto_ms(5.0, "cpu") == 5.0 and busy_poll.auto_ms(0.0, "cuda") == 0.0

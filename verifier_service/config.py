@@ -36,8 +36,9 @@ class VerifierConfig(ServerConfig):
     drafter_transport: str = option("framed", "how Proposes travel: framed = the drafter's framed Propose port "
                                     "(GetInfo.propose_port; gRPC for a replica without one), grpc = the "
                                     "ProposeStream RPC", choices=("framed", "grpc"))
-    busy_poll_ms: float = option(20.0, "the engine waits for a drafter's framed answer polling without "
-                                 "sleeping for up to this long, then blocks (service_kit/busy_poll.py); 0 = block")
+    busy_poll_ms: float = option(-1.0, "the engine waits for a drafter's framed answer polling without "
+                                 "sleeping for up to this long, then blocks (service_kit/busy_poll.py); 0 = block; "
+                                 "-1 = 20 on a GPU, 0 on CPU (where the spin would take a core from the drafter)")
     draft_deadline_ms: float = option(2000.0, "per-step wait for drafts; late sessions verify root-only")
     feature_window: int = option(4096, "target feature rows kept per session for drafter resync")
     drafter_max_message_mb: int = option(512, "message size limit towards the drafters, MiB (a resync "
@@ -59,8 +60,10 @@ class VerifierConfig(ServerConfig):
             raise ValueError("model: a checkpoint directory is required (--model), or --synthetic PRESET")
         if self.synthetic and self.synthetic not in SYNTHETIC_PRESETS:
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
-        if self.synthetic_layers < 0 or self.force_accept_depth < 0 or self.torch_threads < 0 or self.busy_poll_ms < 0:
-            raise ValueError("synthetic_layers, force_accept_depth, torch_threads, busy_poll_ms: must be >= 0")
+        if self.synthetic_layers < 0 or self.force_accept_depth < 0 or self.torch_threads < 0:
+            raise ValueError("synthetic_layers, force_accept_depth, torch_threads: must be >= 0")
+        if self.busy_poll_ms < 0 and self.busy_poll_ms != -1:
+            raise ValueError("busy_poll_ms: must be >= 0, or -1 (auto)")
         if self.world_size < 1:
             raise ValueError("world_size: must be >= 1")
         if self.gpus and len(self.gpus) != self.world_size:

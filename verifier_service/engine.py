@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from ddtree.v1 import generation_pb2 as pb
+from service_kit import busy_poll
 from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
@@ -329,6 +330,6 @@ def build_engine(config, info=None) -> Engine:
                     note="TEST ONLY: drafted paths are accepted without the target's agreement")
     drafters = (DrafterClient(config.drafter, deadline_s=config.draft_deadline_ms / 1000,
                               max_message_mb=config.drafter_max_message_mb, transport=config.drafter_transport,
-                              busy_poll_s=config.busy_poll_ms / 1000)
+                              busy_poll_s=busy_poll.auto_ms(config.busy_poll_ms, config.device) / 1000)
                 if config.drafter else None)
     return Engine(runner, config, drafters)

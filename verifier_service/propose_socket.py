@@ -23,7 +23,7 @@ from collections import deque
 from google.protobuf.message import DecodeError
 
 from ddtree.internal.v1 import drafter_pb2 as dpb
-from service_kit.frames import HEADER, MAGIC, FrameError, frame_parts
+from service_kit.frames import MAGIC, FrameError, frame_parts, take_frames
 from verifier_service.propose_stream import Answer, StreamEnded
 
 IDLE_READ_S = 0.05  # the background read's period
@@ -125,15 +125,8 @@ class ProposeSocket:
 
     def _parse(self, resolved: list) -> None:
         """Complete responses in the inbox -> (answer, response) pairs, in order."""
-        inbox = self._inbox
-        while len(inbox) >= HEADER.size:
-            (n,) = HEADER.unpack_from(inbox)
-            if n > self.limit:
-                raise FrameError(f"frame of {n} bytes is over the limit of {self.limit}")
-            if len(inbox) < HEADER.size + n:
-                return
-            response = dpb.ProposeResponse.FromString(bytes(inbox[HEADER.size: HEADER.size + n]))
-            del inbox[: HEADER.size + n]
+        for payload in take_frames(self._inbox, self.limit):
+            response = dpb.ProposeResponse.FromString(payload)
             if not self._pending:  # an answer to nothing: the two sides disagree, stop here
                 raise StreamEnded("the drafter answered a Propose that was not sent")
             resolved.append((self._pending.popleft(), response))
