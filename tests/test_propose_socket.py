@@ -128,3 +128,17 @@ def test_an_answer_nobody_waits_for_still_resolves(served):
     while not fired and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fired == [None]
+
+
+def test_a_drafter_that_stops_reading_fails_the_send_instead_of_holding_the_engine():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn = ProposeSocket("127.0.0.1", listener.getsockname()[1], 1 << 30, send_timeout_s=0.3)
+        peer, _ = listener.accept()  # accepts, never reads
+        with peer:
+            big = dpb.ProposeRequest(items=[dpb.ProposeItem(session_id="s")])
+            big.items[0].features.data = bytes(64 << 20)  # far more than the socket buffers hold
+            t0 = time.monotonic()
+            answer = conn.send(big, deadline=0)
+            assert time.monotonic() - t0 < 10 and conn.broken
+            with pytest.raises(StreamEnded, match="send failed"):
+                answer.result(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -27,6 +28,9 @@ from service_kit.frames import MAGIC, FrameError, frame_parts, take_frames
 from verifier_service.propose_stream import Answer, StreamEnded
 
 IDLE_READ_S = 0.05  # the background read's period
+# A request the drafter stops reading (a hung replica) fails after this long instead of holding the engine
+# thread: a resync's window of K2.6 features (336 MiB) takes ~0.3 s on loopback.
+SEND_TIMEOUT_S = 30.0
 _RECV_BYTES = 1 << 20
 
 
@@ -49,11 +53,15 @@ class PolledAnswer(Answer):
 
 class ProposeSocket:
     def __init__(self, host: str, port: int, limit_bytes: int, *, busy_poll_s: float = 0.02,
-                 connect_timeout_s: float = 2.0):
+                 connect_timeout_s: float = 2.0, send_timeout_s: float = SEND_TIMEOUT_S):
         """Connects (raises OSError when the port does not answer) and sends the protocol magic."""
         self.limit, self.busy_poll_s = limit_bytes, busy_poll_s
         self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        self._sock.settimeout(None)  # blocking sends; reads never block (MSG_DONTWAIT, select)
+        # Blocking sends, bounded by the kernel's send timeout (a Python-level timeout would make the
+        # MSG_DONTWAIT reads wait too); reads never block (MSG_DONTWAIT, select).
+        self._sock.settimeout(None)
+        seconds, micros = int(send_timeout_s), int(send_timeout_s % 1 * 1e6)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, micros))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.sendall(MAGIC)
         self._pending: deque[PolledAnswer] = deque()
