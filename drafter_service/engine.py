@@ -171,7 +171,8 @@ class DrafterEngine:
             sessions, pages = len(self.sessions), self.sessions.pages_used
         return DrafterInfo(
             block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
-            hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size, feature_width=cfg.feature_width, vocab_size=self.model.vocab_size,
+            hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size, feature_width=cfg.feature_width,
+            vocab_size=self.model.vocab_size,
             max_tree_budget=opt.max_tree_budget, max_chain_budget=cfg.horizon, window=opt.window,
             page_size=opt.page_size, sessions=sessions, bytes_used=pages * self._page_bytes,
             bytes_total=self.pool.nbytes, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),

@@ -137,6 +137,7 @@ def main(config: DrafterConfig) -> int:
         log.info("drafter_ready", propose_port=servicer.propose_port,
                  **{k: str(v) for k, v in vars(servicer.engine.info()).items()})
 
-    busy_poll.run(run_server(config, [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)],
-                             warmup=warmup, on_stop=framed.close), busy_poll.auto_ms(config.busy_poll_ms, config.device))
+    services = [Service(dpb_grpc.add_DrafterServicer_to_server, servicer, SERVICE_NAME)]
+    busy_poll.run(run_server(config, services, warmup=warmup, on_stop=framed.close),
+                  busy_poll.auto_ms(config.busy_poll_ms, config.device))
     return 0

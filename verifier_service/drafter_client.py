@@ -4,10 +4,11 @@ Called from the engine's step thread: one Propose per replica per step, in paral
 for at once (`propose`) or sent ahead (`start`) and waited for in the next step (`collect`). Proposes
 travel on one long-lived ProposeStream per replica (no per-call setup on the step's critical path).
 A replica that advertises a framed Propose port (`DrafterInfo.propose_port`) gets the same requests
-there instead (verifier_service/propose_socket.py: ~0.6 ms less per step on an H200 host), unless
-`transport` is "grpc". A session sticks to one replica; a replica that fails or is late marks its sessions "no draft this
-step" (they verify root-only, i.e. plain AR — output unchanged). A failed replica is marked down and
-its sessions move to a healthy one on their next step with `reset` + the last `window` feature rows.
+there instead (verifier_service/propose_socket.py: 0.7-1.0 ms less per step on an H200 host), unless
+`transport` is "grpc". A session sticks to one replica; a replica that fails or is late marks its
+sessions "no draft this step" (they verify root-only, i.e. plain AR — output unchanged). A failed
+replica is marked down and its sessions move to a healthy one on their next step with `reset` + the
+last `window` feature rows.
 Down replicas are probed in the background and take new sessions again once they answer.
 """
 
