@@ -95,7 +95,10 @@ class ProposeSocket:
             if Answer.done(answer) or now >= end:
                 return
             if now >= spin_until:
-                select.select([self._sock], [], [], min(end - now, 1.0))
+                try:
+                    select.select([self._sock], [], [], min(end - now, 1.0))
+                except (OSError, ValueError) as e:  # closed under us (shutdown)
+                    self._fail(StreamEnded(f"Propose connection closed: {e}"))
 
     def read_ready(self) -> None:
         """Resolve the Answers of every complete response that has arrived; never blocks (another reader
