@@ -45,9 +45,9 @@ def inject_rows(model: DFlashDrafter, pool: KVPool, features: torch.Tensor, posi
 
 
 def block_logits(model: DFlashDrafter, pool: KVPool, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                 page_table: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+                 page_table: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """block_ids/block_pos [B, Bk], page_table [B, P], meta [B, 3] (kv_cache.context_tables) → fp32 logits
-    [B, Bk-1, V] of the block's slots 1.. (slot 0, the anchor, predicts nothing)."""
+    [B, Bk-1, V] of the block's slots 1.. (slot 0, the anchor, predicts nothing), in `out` if given."""
     ctx = context_from_tables(page_table, meta, pool.page_size)
     if model.paged_attention:  # kernels/dflash_attention reads the pool's pages itself
         def layer_ctx(layer: int) -> PagedContext:
@@ -56,7 +56,7 @@ def block_logits(model: DFlashDrafter, pool: KVPool, block_ids: torch.Tensor, bl
         def layer_ctx(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             return pool.gather(layer, ctx.slots)
     hidden = model.forward_block(block_ids, block_pos, ctx.positions, ctx.valid, layer_ctx)
-    return model.logits(hidden[:, 1:])
+    return model.logits(hidden[:, 1:], out=out)
 
 
 class _Buffers:
@@ -187,8 +187,7 @@ class DrafterGraphs:
         out = self.logits[bucket]
 
         def run() -> None:
-            out.copy_(block_logits(self.model, self.pool, d["block_ids"], d["block_pos"], d["page_table"],
-                                   d["meta"]))
+            block_logits(self.model, self.pool, d["block_ids"], d["block_pos"], d["page_table"], d["meta"], out=out)
 
         graph = self._capture(run)
         g = self.block_graphs[(bucket, pages)] = _Graph(graph, buffers, None, None)

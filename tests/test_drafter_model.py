@@ -232,3 +232,20 @@ def test_sliding_attention_layers_match_reference(ckpt, tmp_path):
     full = draft_logprobs(DrafterEngine.load(drafter, target, dtype=torch.float32, options=SMALL), "s", 0,
                           features, 3)
     assert np.abs(full.topk_logprobs - res.topk_logprobs).max() > 1e-3  # the window did change the draft
+
+
+def test_softcapped_logits_match_reference_and_fill_a_given_buffer(ckpt, tmp_path):
+    """final_logit_softcapping against the reference forward; `logits(out=)` (the block graphs' static
+    logits buffer) writes the same values into the buffer it is given."""
+    drafter, target = ckpt
+    capped = _copy_drafter(drafter, tmp_path / "capped", final_logit_softcapping=2.0)
+    engine = DrafterEngine.load(capped, target, dtype=torch.float32, options=SMALL)
+    features = torch.randn(9, 2 * HIDDEN).bfloat16()
+    res = draft_logprobs(engine, "s", 0, features, 4)
+    ref = torch.log_softmax(reference_logits(capped, target, features, 0, 4), -1).topk(64, dim=-1)
+    np.testing.assert_array_equal(res.topk_ids, ref.indices.numpy())
+    np.testing.assert_allclose(res.topk_logprobs, ref.values.numpy(), rtol=0, atol=2e-5)
+    hidden = torch.randn(2, 3, HIDDEN)
+    for model in (engine.model, DrafterEngine.load(drafter, target, dtype=torch.float32, options=SMALL).model):
+        out = torch.full((2, 3, VOCAB), float("nan"))
+        assert model.logits(hidden, out=out) is out and torch.equal(out, model.logits(hidden))
