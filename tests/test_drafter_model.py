@@ -219,16 +219,23 @@ def test_amplitude_knob_changes_the_draft(ckpt):
     assert (a - b).abs().max() > 1e-2
 
 
+def engine_matches_reference(drafter_dir, target_dir, features, root):
+    """Top-64 draft ids and log-probs of a fresh fp32 engine against the reference forward's (ids equal,
+    log-probs to 2e-5); returns (engine, its result)."""
+    engine = DrafterEngine.load(drafter_dir, target_dir, dtype=torch.float32, options=SMALL)
+    res = draft_logprobs(engine, "s", 0, features, root)
+    ref = torch.log_softmax(reference_logits(drafter_dir, target_dir, features, 0, root), -1).topk(64, dim=-1)
+    np.testing.assert_array_equal(res.topk_ids, ref.indices.numpy())
+    np.testing.assert_allclose(res.topk_logprobs, ref.values.numpy(), rtol=0, atol=2e-5)
+    return engine, res
+
+
 def test_sliding_attention_layers_match_reference(ckpt, tmp_path):
     drafter, target = ckpt
     sliding = _copy_drafter(drafter, tmp_path / "sliding", layer_types=["sliding_attention", "full_attention"],
                             sliding_window=6)
-    engine = DrafterEngine.load(sliding, target, dtype=torch.float32, options=SMALL)
     features = torch.randn(17, 2 * HIDDEN).bfloat16()
-    res = draft_logprobs(engine, "s", 0, features, 3)
-    ref = torch.log_softmax(reference_logits(sliding, target, features, 0, 3), -1).topk(64, dim=-1)
-    np.testing.assert_array_equal(res.topk_ids, ref.indices.numpy())
-    np.testing.assert_allclose(res.topk_logprobs, ref.values.numpy(), rtol=0, atol=2e-5)
+    _, res = engine_matches_reference(sliding, target, features, 3)
     full = draft_logprobs(DrafterEngine.load(drafter, target, dtype=torch.float32, options=SMALL), "s", 0,
                           features, 3)
     assert np.abs(full.topk_logprobs - res.topk_logprobs).max() > 1e-3  # the window did change the draft
@@ -239,12 +246,7 @@ def test_softcapped_logits_match_reference_and_fill_a_given_buffer(ckpt, tmp_pat
     logits buffer) writes the same values into the buffer it is given."""
     drafter, target = ckpt
     capped = _copy_drafter(drafter, tmp_path / "capped", final_logit_softcapping=2.0)
-    engine = DrafterEngine.load(capped, target, dtype=torch.float32, options=SMALL)
-    features = torch.randn(9, 2 * HIDDEN).bfloat16()
-    res = draft_logprobs(engine, "s", 0, features, 4)
-    ref = torch.log_softmax(reference_logits(capped, target, features, 0, 4), -1).topk(64, dim=-1)
-    np.testing.assert_array_equal(res.topk_ids, ref.indices.numpy())
-    np.testing.assert_allclose(res.topk_logprobs, ref.values.numpy(), rtol=0, atol=2e-5)
+    engine, _ = engine_matches_reference(capped, target, torch.randn(9, 2 * HIDDEN).bfloat16(), 4)
     hidden = torch.randn(2, 3, HIDDEN)
     for model in (engine.model, DrafterEngine.load(drafter, target, dtype=torch.float32, options=SMALL).model):
         out = torch.full((2, 3, VOCAB), float("nan"))
