@@ -31,8 +31,8 @@ def test_selector_spins_after_an_event_and_blocks_once_traffic_stops():
         b.send(b"y")
         t0 = time.monotonic()
         assert sel.select(5.0) and time.monotonic() - t0 < 1.0  # readiness answers at once
-    assert idle < 0.03 and later < 0.03, (idle, later)
-    assert spun > 0.05, spun
+    assert idle < 0.01 and later < 0.01, (idle, later)  # a blocked select costs microseconds
+    assert spun > 0.025, spun  # a 0.1 s spin, even when a loaded machine gives it a quarter of a core
 
 
 def test_asyncio_servers_run_on_the_busy_poll_loop():
