@@ -22,7 +22,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from .graphs import DrafterGraphs, block_logits, inject_rows
+from .graphs import DrafterGraphs, block_logits, inject_rows, packed_trees
 from .kv_cache import KVPool, context_tables, page_bytes
 from .model import DFlashDrafter
 from .sessions import CacheFullError, InjectPlan, Resync, SessionTable, UnknownSessionError
@@ -303,18 +303,14 @@ class DrafterEngine:
         """kernels/ddtree_build: per-depth log-softmax + top-K and the best-first tree on the GPU;
         only the trees cross to the host (same trees as tree.build_tree, ties included). `replayed`: the
         logits came from a block graph, so the tree replays from a graph too (graphs.tree)."""
-        from kernels.ddtree_build import ddtree_build
-
         item0 = work[0][1]
         chain = item0.mode == DraftMode.CHAIN
         k = 1 if chain else min(item0.tree_budget, self.model.vocab_size)
         budget = self.cfg.horizon if chain else item0.tree_budget
         if replayed:
             flat = self.graphs.tree(len(work), k, budget)
-        else:
-            tokens, parents, depths, count = ddtree_build(logits.contiguous(), k, budget)
-            # one device→host copy (the step's only sync): [B, 3 * budget + 1] int64
-            flat = torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1).cpu().numpy()
+        else:  # one device→host copy, the step's only sync
+            flat = packed_trees(logits.contiguous(), k, budget).cpu().numpy()
         tokens, parents, depths = (flat[:, i * budget:(i + 1) * budget] for i in range(3))
         count = flat[:, -1]
         trees = [Tree(tokens[b, :n].copy(), parents[b, :n].astype(np.int32), depths[b, :n].astype(np.int32))

@@ -59,6 +59,15 @@ def block_logits(model: DFlashDrafter, pool: KVPool, block_ids: torch.Tensor, bl
     return model.logits(hidden[:, 1:], out=out)
 
 
+def packed_trees(logits: torch.Tensor, k: int, budget: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels/ddtree_build's trees of logits [S, L, V] packed as int64 [S, 3 * budget + 1] = tokens | parents |
+    depths | count per session (into `out` if given), so that one device→host copy reads them."""
+    from kernels.ddtree_build import ddtree_build
+
+    tokens, parents, depths, count = ddtree_build(logits, k, budget)
+    return torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1, out=out)
+
+
 class _Buffers:
     """Named int64 arrays that are views into one flat device buffer and its pinned host twin."""
 
@@ -194,19 +203,10 @@ class DrafterGraphs:
         return g
 
     def _capture_tree(self, bucket: int, k: int, budget: int) -> _Graph:
-        from kernels.ddtree_build import ddtree_build  # its counters exist: the engine's warm-up called it
-
+        # ddtree_build's counters exist already: the engine's warm-up called it before any capture
         logits = self.logits[bucket]  # a block graph of this bucket ran just before
         out = torch.zeros(bucket, 3 * budget + 1, dtype=torch.int64, device=self.device)
-
-        def run() -> None:
-            tokens, parents, depths, count = ddtree_build(logits, k, budget)
-            out[:, :budget].copy_(tokens)
-            out[:, budget: 2 * budget].copy_(parents)
-            out[:, 2 * budget: 3 * budget].copy_(depths)
-            out[:, -1].copy_(count)
-
-        graph = self._capture(run)
+        graph = self._capture(lambda: packed_trees(logits, k, budget, out=out))
         host = torch.zeros(out.shape, dtype=torch.int64, pin_memory=True)
         g = self.tree_graphs[(bucket, k, budget)] = _Graph(graph, None, None, out, host)
         return g

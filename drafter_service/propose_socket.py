@@ -31,7 +31,6 @@ class ProposeSocketServer:
         self.propose, self.limit = propose, limit_bytes
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self.answered = 0  # requests answered on this port
 
     async def start(self, host: str, port: int) -> int:
         """Listens on host:port (0 = any free port) and returns the bound port."""
@@ -85,5 +84,4 @@ class ProposeSocketServer:
                 log.exception("propose_failed", peer=peer, transport="socket")
                 return
             writer.writelines(frame_parts(response.SerializeToString()))
-            self.answered += 1
             await writer.drain()  # returns at once unless the verifier stopped reading
