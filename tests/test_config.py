@@ -42,6 +42,7 @@ def test_bools_and_choices(monkeypatch):
     (["--synthetic", "k27"], "synthetic"),
     (["--model", "m", "--force-accept-depth", "-1"], "force_accept_depth"),
     (["--model", "m", "--torch-threads", "-1"], "torch_threads"),
+    (["--model", "m", "--busy-poll-ms", "-2"], "busy_poll_ms"),
 ])
 def test_invalid_values_name_the_field(argv, field):
     with pytest.raises(ValueError, match=field):
@@ -70,6 +71,10 @@ def test_synthetic_needs_no_checkpoint(capsys):
     from service_kit.cli import main
 
     assert DrafterConfig(synthetic="k26").model == ""
+    for bad in (dict(propose_port=70000), dict(propose_port=-2), dict(busy_poll_ms=-0.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DrafterConfig(synthetic="k26", **bad)
+    assert DrafterConfig(synthetic="k26", propose_port=-1, busy_poll_ms=-1).propose_port == -1  # off; auto
     with pytest.raises(ValueError, match="model, target_model"):
         DrafterConfig()
     assert main(["drafter", "--synthetic", "k26-mini", "--dry-run"]) == 0
