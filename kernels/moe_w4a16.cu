@@ -326,18 +326,20 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 // one-token-tile, one-piece down kernel (8 blocks of 4 warps per SM). The launcher runs down with two
 // pieces per warp for T > 1 (128 registers: faster than one piece at 64) and one piece at 128 for
 // T = 1 (one expert, T = 1 decode at EP 7: the K loop keeps more loads in flight).
-template <int MODE, int NT, int OCC, int DMT>
-__global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
-    const u16* __restrict__ S0, const u32* __restrict__ W1, const u16* __restrict__ S1, const u16* __restrict__ B,
-    int K, int N, int k_route, int P, const int* offsets, const int* order, const int* active,
-    const int* num_active, void* out, float* part, int* counters, int slots, int smax, int split_force,
-    const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse, int tpb_max) {
+#define GEMM_PARAMS const u32* __restrict__ W0, const u16* __restrict__ S0, const u32* __restrict__ W1,             \
+    const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route, int P, const int* offsets,       \
+    const int* order, const int* active, const int* num_active, void* out, float* part, int* counters, int slots,    \
+    int smax, int split_force, const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse,   \
+    int tpb_max
+#define GEMM_ARGS W0, S0, W1, S1, B, K, N, k_route, P, offsets, order, active, num_active, out, part, counters,        \
+    slots, smax, split_force, ids, tw, final_out, first, E, T, fuse, tpb_max
+
+// The body of moe_gemm for na active experts, e = active[blockIdx.y].
+template <int MODE, int NT, int DMT>
+__device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e) {
   constexpr int MT = MODE == 0 ? 2 : DMT, RT = MODE == 0 ? 16 : 16 * DMT;  // matrices per warp, rows per tile
   extern __shared__ __align__(16) unsigned char smem[];
-  if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
-  // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
-  // is an unwritten slot of the [E] list and goes unused.
-  const int na = *num_active, e = active[blockIdx.y], warp = threadIdx.y, NW = blockDim.y, tiles = N / RT;
+  const int warp = threadIdx.y, NW = blockDim.y, tiles = N / RT;
   if ((int)blockIdx.y >= na) {
     if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0)
       for (int m = 0; m < MT; ++m) combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * RT + 16 * m, final_out);
@@ -432,6 +434,23 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(const u32* __restrict__ W0,
           combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, tile * RT + 16 * m,
                        final_out);
     }
+}
+
+// DMT = 0 (down only): two pieces per warp once the blocks with work still fill every resident slot
+// (na · N/32 / tpb_max >= slots: 3 or more experts at K2.6 sizes on an H200), else one. The host
+// cannot see the active count, so the grid is sized for one piece (N/16 tiles); with two, the blocks
+// past N/32 exit. H200, T = 1, us, one piece -> two: 3 experts 47.6 -> 44.1, 8 experts 97.2 -> 91.2;
+// but 2 experts 32.0 -> 37.5 (224 blocks with work for 264 slots), 1 expert 23.2 -> 25.2.
+template <int MODE, int NT, int OCC, int DMT>
+__global__ void __launch_bounds__(256, OCC) moe_gemm(GEMM_PARAMS) {
+  if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
+  // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
+  // is an unwritten slot of the [E] list and goes unused.
+  const int na = *num_active, e = active[blockIdx.y];
+  if (DMT == 0 && na * (N / (32 * tpb_max)) >= slots)
+    gemm_block<MODE, NT, 2>(GEMM_ARGS, na, e);
+  else
+    gemm_block<MODE, NT, DMT == 0 ? 1 : DMT>(GEMM_ARGS, na, e);
 }
 
 // out[t] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]) in slot order; tokens with no local expert get 0.

@@ -40,7 +40,7 @@ from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = "moe_w4a16.cu"
 NAMES = ("moe_route", "moe_gemm<0, 1, 2, 1>", "moe_gemm<0, 2, 2, 1>", "moe_gemm<1, 1, 2, 1>", "moe_gemm<1, 1, 4, 1>",
-         "moe_gemm<1, 2, 2, 1>", "moe_gemm<1, 1, 2, 2>", "moe_gemm<1, 2, 2, 2>", "moe_combine")
+         "moe_gemm<1, 2, 2, 1>", "moe_gemm<1, 1, 2, 2>", "moe_gemm<1, 2, 2, 2>", "moe_gemm<1, 1, 2, 0>", "moe_combine")
 STAGES, CHUNK = 4, 128  # must match the .cu (STAGES, 32 * CG)
 # Warps per block, splitting K: gate/up 8 (2 blocks/SM); down 4, which the kernel splits into two
 # tiles of 2 warps when >= 2 experts are active (4 per tile is best for one expert, 2 for more).
@@ -50,8 +50,11 @@ GATE_UP_WARPS, DOWN_WARPS = 8, 4
 GATE_UP_TPB, DOWN_TPB = 2, 2
 # 16-row pieces of the down matrix per warp for T > 1 (1 or 2): two pieces share each act fragment and
 # double the bytes a warp has in flight over the short K = I (H200, 2026-11-30: down at 8 experts 46.5 ->
-# 41.7 us, 55 x 16 tokens 743 -> 689 us); T = 1 keeps 1 (one expert: 23.2 vs 25.2 us, half the blocks).
+# 41.7 us, 55 x 16 tokens 743 -> 689 us).
 DOWN_MT = 2
+# The same at T = 1, where the expert count decides (1-2 experts lose with half the blocks): 0 lets the
+# down kernel choose two pieces on the device once its blocks with work fill every slot (see the .cu).
+DOWN_MT_T1 = 0
 SPLIT_MAX = 1  # most gate/up K-split blocks per tile (when P <= SPLIT_MAX_P). 1: off; on the H200 a
 # split of 2 or 4 measured slower at 1, 3 and 8 experts (per-block latency, not idle SMs, limits them)
 SPLIT_MAX_P = 64
@@ -115,13 +118,13 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
             (gate, up, H, I, x, act, GATE_UP_WARPS, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
-        mt = DOWN_MT if mode == 1 and T > 1 else 1
+        mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         occ = 4 if mode == 1 and nt == 1 and T > 1 and mt == 1 else 2  # register budget, see the .cu
-        launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}>"], (n // (16 * mt), blocks_y, z), (32, nw),
+        launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, active, active[E:],
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
-               smem=nw * STAGES * _stage_bytes(2 if mode == 0 else mt), pdl=PDL)
+               smem=nw * STAGES * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
     if not fuse:
         launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
     return out

@@ -62,6 +62,30 @@ def test_moe_w4a16(T, H, I, down_mt, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
+@pytest.mark.parametrize("down_mt", [0, 1, 2])  # moe_w4a16.DOWN_MT_T1; 0: the kernel picks from the active count
+@pytest.mark.parametrize("n_local", [0, 1, 2, 8])
+@pytest.mark.parametrize("H,I", [(512, 256), (7168, 2048)])
+def test_moe_w4a16_decode(n_local, H, I, down_mt, monkeypatch):
+    """T = 1 with 0, 1, 2 and 8 of its experts on this rank: the down kernel's one- and two-piece
+    paths (chosen on the device when DOWN_MT_T1 = 0) and the no-local-expert zeros."""
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "DOWN_MT_T1", down_mt)
+    E, first = 12, 5
+    experts = random_experts(E, H, I, first=first, seed=n_local)
+    g = torch.Generator("cuda").manual_seed(n_local)
+    local = torch.randperm(E, generator=g, device="cuda")[:n_local] + first
+    ids = torch.cat([local, torch.arange(100, 108 - n_local, device="cuda")])[torch.randperm(8, device="cuda")]
+    ids, w = ids[None].contiguous(), torch.rand(1, 8, generator=g, device="cuda")
+    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    poison_allocator()
+    out = moe_w4a16(x, ids, w, experts)
+    if n_local == 0:
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
+
+
 @pytest.mark.parametrize("split", [2, 3, 4, 8])
 @pytest.mark.parametrize("T,H,I", [(1, 7168, 2048), (5, 7168, 2048), (3, 512, 256), (17, 384, 128)])
 def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
