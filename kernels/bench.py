@@ -260,6 +260,19 @@ def bench_small(copy_bw: float) -> list[dict]:
         t = gpu_time([lambda x=x: rms_norm(x, w, 1e-6) for x in xs])
         t_ref = gpu_time([lambda x=x: rms_norm_ref(x, w, 1e-6) for x in xs])  # graphed too: ~6 launches
         rows.append(result_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
+    from kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+
+    for T in (1, 17, 65):  # a decoder layer's residual add + norm: one launch, against torch's add + the kernel
+        D = K26["H"]
+        xs = [(torch.randn(T, D, device="cuda").bfloat16(), torch.randn(T, D, device="cuda").bfloat16())
+              for _ in range(8)]
+        w = torch.randn(D, device="cuda").bfloat16()
+        t = gpu_time([lambda x=x, d=d: add_rms_norm(x, d, w, 1e-6) for x, d in xs])
+        t_two = gpu_time([lambda x=x, d=d: rms_norm(x + d, w, 1e-6) for x, d in xs])
+        t_ref = gpu_time([lambda x=x, d=d: add_rms_norm_ref(x, d, w, 1e-6) for x, d in xs])
+        nbytes = 4 * T * D * 2 + D * 2  # x, delta in; h, out
+        rows.append(result_row("add_rms_norm", f"rows={T} width={D}", t, nbytes, copy_bw, t_ref))
+        rows.append(result_row("add_rms_norm", f"rows={T} torch add + rms_norm kernel", t_two, nbytes, copy_bw, t_ref))
     from kernels.moe_gate import moe_gate, moe_gate_ref
 
     gate = torch.randn(K26["E"], K26["H"], device="cuda") * K26["H"] ** -0.5  # fp32, as K2.6 keeps it

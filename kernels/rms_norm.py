@@ -1,6 +1,8 @@
 """RMSNorm in one launch, optionally followed by rotate-half RoPE (the drafter's q_norm/k_norm + RoPE).
 
     rms_norm(x, weight, eps, cos=None, sin=None) -> out   (new tensor, x's shape and dtype)
+    add_rms_norm(x, delta, weight, eps) -> (h, out)       h = x + delta, out = rms_norm(h): a decoder
+                                                          layer's residual add and next norm, one launch
 
 x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D. Or a [N, D] view of wider rows (last dim
         contiguous, row stride x.stride(0)): a fused projection's column block is normed in place of a copy
@@ -92,21 +94,36 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
 // chunks t, t + 32·W, ... (at most MAXV of 16 bytes) of the row and of w in registers, all loaded before
 // the first use. Same statistic order rules as rms_norm (independent of N), same rounding.
 // x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out is [N, D] contiguous.
+// delta non-null (residual add first, [N, D] contiguous like h_out): the row normed is h = T(x + delta),
+// rounded as torch's add rounds, and h is also written to h_out.
 template <typename T, int MAXV>
-__global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int D,
-                             int ld, float eps) {
+__global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delta, const T* __restrict__ w,
+                             T* __restrict__ out, T* __restrict__ h_out, int D, int ld, float eps) {
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, nv = D / VW;
   const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)row * ld);
   const uint4* wr = reinterpret_cast<const uint4*>(w);
   uint4* o = reinterpret_cast<uint4*>(out + (i64)row * D);
-  uint4 xv[MAXV], wv[MAXV];
+  uint4 xv[MAXV], wv[MAXV], dv[MAXV];
 #pragma unroll
   for (int k = 0; k < MAXV; ++k) {
     if (tid + k * nt < nv) {
       xv[k] = xr[tid + k * nt];
       wv[k] = __ldg(wr + tid + k * nt);
+      if (delta != nullptr) dv[k] = reinterpret_cast<const uint4*>(delta + (i64)row * D)[tid + k * nt];
+    }
+  }
+  if (delta != nullptr) {
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+      if (tid + k * nt < nv) {
+        T* e = reinterpret_cast<T*>(&xv[k]);
+        const T* d = reinterpret_cast<const T*>(&dv[k]);
+#pragma unroll
+        for (int j = 0; j < VW; ++j) io<T>::st(e + j, io<T>::ld(e + j) + io<T>::ld(d + j));
+        reinterpret_cast<uint4*>(h_out + (i64)row * D)[tid + k * nt] = xv[k];
+      }
     }
   }
   float ss = 0.f;
@@ -160,21 +177,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
     N = out.numel() // D if D else 0
     if N == 0:
         return out
-    kernels = get_kernels(cuda_source(CODE), NAMES)
-    warps = min(8, max(1, D // ELEMS_PER_WARP))
-    chunks = D * x.element_size() // 16
-    if cos is None and (D * x.element_size()) % 16 == 0 and (ld * x.element_size()) % 16 == 0 \
-            and chunks <= 32 * 32 * VEC_CHUNKS and all(t.data_ptr() % 16 == 0 for t in (x, weight, out)):
-        warps = max(warps, -(-chunks // (32 * VEC_CHUNKS)))  # every chunk in one thread's registers
-        launch(kernels[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], N, 32 * warps, x, weight, out, D, ld,
-               float(eps))
+    if cos is None and _vectorizable(x, ld, weight, out):
+        _launch_vec(x, None, weight, out, None, ld, eps)
         return out
     x = x.contiguous()  # a strided view that missed the 16-byte path
     none = np.uint64(0)
-    ker = kernels[f"rms_norm<{_TYPE[x.dtype]}>"]
-    launch(ker, N, 32 * warps, x, weight, none if cos is None else cos, none if sin is None else sin,
+    ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm<{_TYPE[x.dtype]}>"]
+    launch(ker, N, 32 * _warps(D), x, weight, none if cos is None else cos, none if sin is None else sin,
            out, N, D, heads, float(eps))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one launch: h = x + delta (rounded to x's dtype, as torch's
+    add), y = rms_norm(h). x, delta: contiguous [..., D], same shape and dtype. -> (h, y), new tensors.
+    Rows off the 16-byte path take torch's add and rms_norm."""
+    assert delta.shape == x.shape and delta.dtype == x.dtype, (x.shape, delta.shape, x.dtype, delta.dtype)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(h)
+    D = x.shape[-1]
+    if not (x.is_contiguous() and delta.is_contiguous() and _vectorizable(x, D, weight, out)
+            and _vectorizable(delta, D, weight, h)):
+        h = x + delta
+        return h, rms_norm(h, weight, eps)
+    if h.numel():
+        _launch_vec(x, delta, weight, out, h, D, eps)
+    return h, out
+
+
+def _warps(D: int) -> int:
+    return min(8, max(1, D // ELEMS_PER_WARP))
+
+
+def _vectorizable(x: torch.Tensor, ld: int, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """rms_norm_vec's conditions: 16-byte rows, row stride and pointers, and every chunk in registers."""
+    row_bytes = x.shape[-1] * x.element_size()
+    return (x.is_cuda and x.dtype in _TYPE and row_bytes % 16 == 0 and (ld * x.element_size()) % 16 == 0
+            and row_bytes // 16 <= 32 * 32 * VEC_CHUNKS and all(t.data_ptr() % 16 == 0 for t in (x, weight, out)))
+
+
+def _launch_vec(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                h_out: torch.Tensor | None, ld: int, eps: float) -> None:
+    D = x.shape[-1]
+    assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
+    chunks = D * x.element_size() // 16
+    warps = max(_warps(D), -(-chunks // (32 * VEC_CHUNKS)))  # every chunk in one thread's registers
+    none = np.uint64(0)
+    launch(get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], out.numel() // D,
+           32 * warps, x, none if delta is None else delta, weight, out, none if h_out is None else h_out, D, ld,
+           float(eps))
 
 
 def _row_stride(x: torch.Tensor) -> int | None:
@@ -196,3 +248,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.T
     c1, c2 = cos.float().chunk(2, dim=-1)
     s1, s2 = sin.float().chunk(2, dim=-1)
     return torch.cat([y1 * c1 - y2 * s1, y2 * c2 + y1 * s2], dim=-1).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + delta
+    return h, rms_norm_ref(h, weight, eps)

@@ -13,7 +13,7 @@ from kernels.kv_commit import kv_commit, kv_commit_ref
 from kernels import mla_tree_attention as mla_mod
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
 from kernels.moe_w4a16 import moe_w4a16, moe_w4a16_ref
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 from kernels.tree_accept import tree_accept, tree_accept_ref
 
@@ -421,6 +421,24 @@ def test_rms_norm_row_does_not_depend_on_its_batch():
     w = torch.randn(7168, device="cuda").bfloat16()
     batch = rms_norm(x, w, 1e-6)
     assert all(torch.equal(rms_norm(x[r: r + 1].contiguous(), w, 1e-6)[0], batch[r]) for r in (0, 5, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 7168), (17, 7168), (63, 384), (3, 100), (5, 7)])  # 100, 7: torch's path
+def test_add_rms_norm(shape, dtype):
+    """The residual add and the norm in one launch: h equals torch's add bit for bit (same rounding), the
+    norm of h is the reference's within test_rms_norm's tolerances; NaN-poisoned outputs all written."""
+    g = torch.Generator("cuda").manual_seed(shape[0] * shape[1])
+    x = (torch.randn(shape, generator=g, device="cuda") * 4).to(dtype)
+    delta = (torch.randn(shape, generator=g, device="cuda") * 3).to(dtype)
+    w = (1 + 0.5 * torch.randn(shape[1], generator=g, device="cuda")).to(dtype)
+    poison_allocator()
+    h, got = add_rms_norm(x, delta, w, 1e-6)
+    h_ref, want = add_rms_norm_ref(x, delta, w, 1e-6)
+    assert torch.equal(h, h_ref)
+    err, scale = float((got.float() - want.float()).abs().max()), float(want.float().abs().max())
+    assert err <= (1e-5 if dtype == torch.float32 else 2**-7) * scale, (err, scale)
+    assert torch.isfinite(got).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

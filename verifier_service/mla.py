@@ -64,6 +64,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add and the norm after it: h = x + delta, -> (h, rms_norm(h)).
+    fused: both in one launch (kernels/rms_norm.add_rms_norm), same rounding."""
+    if fused:
+        from kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
+
+        return add_rms_norm_kernel(x, delta, weight, eps)
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def _projections(
     x: torch.Tensor, w: MLAWeights, cfg: K2Config, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,8 +15,9 @@ Three ways to run attention and routed experts, chosen per call (`attention_path
    only if all layers' dense experts fit DENSE_EXPERTS_MAX_BYTES);
 3. the torch reference (host syncs: per-session key groups, per-expert loop) — CPU by default.
 Paths 1 and 2 never read tensors back to the host, so `graph_safe` lets the runner capture CUDA graphs.
-With `use_kernels` on a GPU every RMSNorm is also one launch (kernels/rms_norm) at any shape, and fp32
-projections of 1-64 rows (dense, head, and path 2's every-expert MoE) run kernels/skinny_linear (linear.py).
+With `use_kernels` on a GPU every RMSNorm is also one launch (kernels/rms_norm) at any shape, together
+with the residual add before it where there is one (add_rms_norm), and fp32 projections of 1-64 rows
+(dense, head, and path 2's every-expert MoE) run kernels/skinny_linear (linear.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.linear import project
-from verifier_service.mla import MLAWeights, mla_forward, rms_norm, row_keys
+from verifier_service.mla import MLAWeights, add_rms_norm, mla_forward, rms_norm, row_keys
 from verifier_service.model_config import K2Config
 from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
                                   mlp, moe_forward)
@@ -122,15 +123,20 @@ class K2Model:
         h = self._embed(plan.token_ids)  # [T, H]
         hidden_rows = _rows(plan.hidden_rows, plan.num_rows, h.device)
         captured: dict[int, torch.Tensor] = {}
+        eps, last = cfg.rms_norm_eps, len(w.layers) - 1
+        a = rms_norm(h, w.layers[0].input_layernorm, eps, self.fused)
         for i, layer in enumerate(w.layers):
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
-            a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps, self.fused)
             paged = (kv_cache[i], plan) if kernel_attn else None
             attn = mla_forward(a, layer.self_attn, cfg, cos, sin, kv_layer, plan.write_slots, groups,
                                plan.explicit_mla, paged, self.fused)
-            h = h + self.all_reduce(attn)
-            b = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps, self.fused)
-            h = h + self._mlp(i, b, layer.mlp)
+            # each residual add runs with the norm after it (one launch with the kernels)
+            h, b = add_rms_norm(h, self.all_reduce(attn), layer.post_attention_layernorm, eps, self.fused)
+            mlp_out = self._mlp(i, b, layer.mlp)
+            if i < last:
+                h, a = add_rms_norm(h, mlp_out, w.layers[i + 1].input_layernorm, eps, self.fused)
+            else:
+                h = h + mlp_out
             if i in target_layer_ids:
                 captured[i] = h[hidden_rows]  # [Rh, H]
         hidden = (torch.cat([captured[i] for i in target_layer_ids], dim=-1) if target_layer_ids
