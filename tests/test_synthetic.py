@@ -10,7 +10,7 @@ from drafter_service.synthetic import random_drafter
 from gateway.tiny_tokenizer import write_synthetic_tokenizer
 from gateway.tokenizer import KimiTokenizer
 from verifier_service.bench_verify import expected_max_experts
-from verifier_service.ranks import split_range
+from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, preset_config, random_target
 from verifier_service.weights import Split
 
@@ -49,7 +49,7 @@ def test_split_replicated_parts_are_slices_of_the_replicated_ones():
                            dtype=torch.float32, split=Split(r, world)) for r in range(world)]
     for name in ("embed_tokens", "lm_head"):
         assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(full, name))
-    assert [p.vocab_start for p in parts] == [split_range(cfg.vocab_size, r, world).start for r in range(world)]
+    assert [p.vocab_start for p in parts] == [split_rows(cfg.vocab_size, r, world).start for r in range(world)]
     for layer, mlp in ((0, lambda w: w.layers[0].mlp), (1, lambda w: w.layers[1].mlp.shared_experts)):
         want = mlp(full)
         assert torch.equal(torch.cat([mlp(p).gate_proj for p in parts]), want.gate_proj), layer
@@ -107,3 +107,17 @@ def test_synthetic_tokenizer_covers_k26_ids(tmp_path):
 def test_expected_max_experts_matches_perf_md(rows, want):
     """reference/perf.md §3.2: the most-loaded of 7 ranks under uniform routing (Monte Carlo there too)."""
     assert expected_max_experts(k26_config(), 7, rows) == pytest.approx(want, abs=0.15)
+
+
+def test_split_rows_aligned_and_covering():
+    """The replicated parts' split: contiguous shares covering 0..n-1 in order, in multiples of 8 elements
+    (16-byte bf16 rows for every rank's GEMMs) at most 8 apart, or split_range's plain split when n is not
+    a multiple of 8 or too small to give every rank 8."""
+    for n, size in ((2048, 7), (18432, 7), (163840, 7), (4352, 3), (100, 3), (16, 3), (12, 7)):
+        parts = [split_rows(n, r, size) for r in range(size)]
+        assert [i for p in parts for i in p] == list(range(n))
+        lens = [len(p) for p in parts]
+        if n % 8 == 0 and n // 8 >= size:
+            assert all(x % 8 == 0 and x > 0 for x in lens) and max(lens) - min(lens) <= 8, (n, size, lens)
+        else:
+            assert parts == [split_range(n, r, size) for r in range(size)]

@@ -21,7 +21,7 @@ from verifier_service.kv_cache import PagedKVCache
 from verifier_service import ranks
 from verifier_service.model import K2Model, identity
 from verifier_service.plan import SeqRows, build_plan, tree_parents
-from verifier_service.ranks import split_range
+from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, random_target
 from verifier_service.weights import Split
 
@@ -69,7 +69,7 @@ def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: i
     uniform routing; the slowest of N ranks reads `expected_max_experts`). `split` > 1: the shared and
     dense MLPs and the lm_head are split over that many ranks (--split-replicated; rank 0's share)."""
     def share(n: int) -> int:
-        return len(split_range(n, 0, split))
+        return len(split_rows(n, 0, split))
 
     H = cfg.hidden_size
     attn = 2 * (cfg.q_lora_rank * H + heads * cfg.qk_head_dim * cfg.q_lora_rank + cfg.kv_cache_width * H
@@ -139,7 +139,7 @@ def main(args) -> int:
     weights = random_target(cfg, experts=experts, heads=heads, split=split)  # same seed: ranks agree
     gather = identity
     if split is not None and reduce is not identity:  # vocab-parallel logits, as the served verifier gathers them
-        gather = ranks.all_gather_columns([len(split_range(cfg.vocab_size, r, world)) for r in range(world)])
+        gather = ranks.all_gather_columns([len(split_rows(cfg.vocab_size, r, world)) for r in range(world)])
     fast = K2Model(cfg, weights, use_kernels=True, all_reduce=reduce, all_gather=gather)
     ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce, all_gather=gather)
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -48,7 +48,7 @@ class Runner:
         world = self.info.world_size
         split = config.split_replicated and world > 1
         weights = self._weights(config, split)
-        vocab_sizes = [len(ranks.split_range(self.cfg.vocab_size, r, world)) for r in range(world)]
+        vocab_sizes = [len(ranks.split_rows(self.cfg.vocab_size, r, world)) for r in range(world)]
         self.model = K2Model(self.cfg, weights, all_reduce=ranks.all_reduce if world > 1 else identity,
                              all_gather=ranks.all_gather_columns(vocab_sizes) if split else identity,
                              use_kernels=config.kernels and self.device.type == "cuda")

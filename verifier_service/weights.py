@@ -26,7 +26,7 @@ from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
 from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
-from verifier_service.ranks import split_range
+from verifier_service.ranks import split_range, split_rows
 
 log = get_logger("verifier.weights")
 
@@ -131,7 +131,7 @@ class Split:
     size: int
 
     def of(self, n: int) -> range:
-        return split_range(n, self.rank, self.size)
+        return split_rows(n, self.rank, self.size)
 
 
 def expected_shapes(cfg: K2Config, int4_linears: set[str]) -> dict[str, tuple[int, ...]]:
