@@ -197,6 +197,15 @@ __device__ __forceinline__ void write_out(const float (&o)[RG][8][4], const floa
   }
 }
 
+// Keys per split of a sequence with `keys` keys (prefix + its tree rows) over `splits` splits: whole
+// tiles, spread evenly over the sequence's actual keys. The split count comes from the page table's
+// capacity (graph-safe); chunking the actual length keeps every split busy however short the sequence
+// is against that capacity (H200, 10 heads x 16 rows x 4K keys: 19.4 us; chunked by a 128K-key
+// capacity, as before, 215 us).
+__device__ __forceinline__ int split_chunk(int keys, int splits) {
+  return KT * (((keys + KT - 1) / KT + splits - 1) / splits);
+}
+
 // Issue the cp.async copies of the 64-key tile whose slots this thread fetched (rows lr, lr + 32).
 __device__ __forceinline__ void issue_tile(unsigned char* dst, const u16* kv, const int (&slot)[2], int lr, int sub) {
 #pragma unroll
@@ -224,7 +233,7 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     const u16* __restrict__ q, const u16* __restrict__ kv, const i64* __restrict__ page_table, int npages,
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
-    float scale2, int chunk, int TH, u16* __restrict__ out, float* __restrict__ o_part,
+    float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part) {
   constexpr int RG = MT / 16, KG = 8 / RG, NT = RG;
   pdl_trigger();  // the merge's blocks may become resident; they wait for this grid before reading it
@@ -237,6 +246,7 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   sq.page_table = page_table, sq.write_slots = write_slots, sq.page_size = page_size;
   sq.pt0 = b * npages, sq.ws0 = r0;
   sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + blockIdx.x * MT, sq.q_end = (r0 + rb) * h;
+  const int chunk = split_chunk(sq.L + rb, gridDim.z);
   sq.kbeg = blockIdx.z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
@@ -315,7 +325,7 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
 // resident while mla_attn runs and reads only the plan (row_starts, prefix_lens) before its wait.
 extern "C" __global__ void __launch_bounds__(256) mla_merge(
     const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
-    const i64* __restrict__ row_starts, int B, int h, int chunk, int TH, u16* __restrict__ out) {
+    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
   __shared__ float wz[1024], red[8];
   __shared__ float4 part[7][32];
   const i64 qr = blockIdx.x, t = qr / h;
@@ -323,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge(
   int b = 0;
   while (b + 1 < B && row_starts[b + 1] <= t) ++b;
   const i64 kv_len = prefix_lens[b] + row_starts[b + 1] - row_starts[b];
-  const int nsplit = (int)((kv_len + chunk - 1) / chunk);
+  const int chunk = split_chunk((int)kv_len, splits), nsplit = (int)((kv_len + chunk - 1) / chunk);
   pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
   float mx = NEG_INF;
   for (int z = tid; z < nsplit; z += 256) mx = fmaxf(mx, wz[z] = lse_part[(i64)z * TH + qr]);

@@ -61,10 +61,11 @@ def _config(q_rows: int, smem_block: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _split(q_blocks: int, max_keys: int, slots: int, forced: int | None = None) -> tuple[int, int]:
-    """-> (splits, keys per split) from shapes only (graph-safe). Minimizes waves x (tiles per split
-    + 0.5), where `slots` blocks run at once and 0.5 tile stands for a split's partial-O write and
-    merge; ties go to fewer splits. `forced`: the bench's split count instead."""
+def _split(q_blocks: int, max_keys: int, slots: int, forced: int | None = None) -> int:
+    """-> split count from shapes only (graph-safe): for the page table's capacity `max_keys`, minimizes
+    waves x (tiles per split + 0.5), where `slots` blocks run at once and 0.5 tile stands for a split's
+    partial-O write and merge; ties go to fewer splits. The kernel spreads each sequence's actual keys
+    over that many splits (split_chunk in the .cu). `forced`: the bench's split count instead."""
     tiles = max(1, math.ceil(max_keys / KT))
     best = (math.inf, 1, tiles)
     for s in range(1, min(tiles, MAX_SPLITS) + 1) if forced is None else (min(forced, tiles, MAX_SPLITS),):
@@ -72,8 +73,7 @@ def _split(q_blocks: int, max_keys: int, slots: int, forced: int | None = None) 
         cost = math.ceil(q_blocks * s / slots) * (per + (0.5 if s > 1 else 0.0))
         if cost < best[0]:
             best = (cost, s, per)
-    chunk = best[2] * KT
-    return math.ceil(max_keys / chunk), chunk
+    return math.ceil(max_keys / (best[2] * KT))
 
 
 def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_mask, write_slots,
@@ -97,14 +97,14 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     smem = _smem(mt, ns)
     per_sm = max(1, min(smem_sm // (smem + 1024), 2 if ns == 1 else 1))  # 1 KB: per-block reserve
     q_blocks = math.ceil(R * h / mt)
-    splits, chunk = _split(B * q_blocks, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS)
+    splits = _split(B * q_blocks, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
     launch(ker[f"mla_attn<{mt}, {ns}>"], (q_blocks, B, splits), 256, q, kv_cache, page_table, page_table.shape[1], page_size,
-           prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e), chunk,
+           prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e),
            T * h, out, o_part, lse, smem=smem)
     if splits > 1:
-        launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, chunk, T * h, out,
+        launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, splits, T * h, out,
                pdl=PDL)
     return out
 

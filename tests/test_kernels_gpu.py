@@ -198,6 +198,20 @@ def test_mla_tree_attention(rows, prefixes, heads, page_size):
     assert_close(out, ref, rel=1e-2, cos=0.99995)
 
 
+@pytest.mark.parametrize("capacity", [8192, 131072])  # page-table width in keys, as the served graphs size it
+@pytest.mark.parametrize("rows,prefixes", [([16], [4096]), ([1], [0]), ([1, 16, 3], [700, 4097, 64])])
+def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
+    """A page table far wider than the prefixes (max_context's pages, unused tail = a huge page id): the
+    split count follows the capacity, each sequence's actual keys are spread over the splits."""
+    q, kv, table, *rest = mla_case(rows, prefixes, 10, 64, seed=len(rows))
+    wide = torch.full((table.shape[0], capacity // 64), 1 << 30, dtype=table.dtype, device=table.device)
+    wide[:, : table.shape[1]] = table
+    args = (q, kv, wide, *rest)
+    poison_allocator()
+    assert_close(mla_tree_attention(*args, 0.14467963), mla_tree_attention_ref(*args, 0.14467963),
+                 rel=1e-2, cos=0.99995)
+
+
 @pytest.mark.parametrize("config", mla_mod.CONFIGS)
 def test_mla_tree_attention_configs(config, monkeypatch):
     """Every compiled (query tile, key stages) instance, whatever the launcher would pick here;
