@@ -17,6 +17,7 @@ import random
 import torch
 
 from kernels.bench import copy_bandwidth
+from verifier_service.config import VerifierConfig
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service import ranks
 from verifier_service.model import K2Model, identity
@@ -34,6 +35,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ep-size", type=int, default=7, help="simulate rank 0 of this many verifier ranks")
     p.add_argument("--prefix", type=int, default=4096, help="committed tokens before the tree")
+    p.add_argument("--max-context", type=int, default=VerifierConfig.max_context,
+                   help="page-table width in tokens, as the served graphs size it (the verifier's --max-context)")
     p.add_argument("--tree-sizes", default="1,8,16,32,64")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
@@ -110,11 +113,15 @@ def floor_bytes_world(cfg, world: int, rows: int, prefix: int, split: bool = Fal
                        touched=expected_max_experts(cfg, world, rows), split=world if split else 1)
 
 
-def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: random.Random):
+def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: random.Random, max_context: int = 0):
+    """One session's random tree of `rows` rows over `prefix` committed keys; the page table padded (0) to
+    max_context's pages + 1, the width the verifier's graphs give it (runner: max_pages)."""
     t = cache.table
     parents = [rng.randrange(i) if i > 1 else 0 for i in range(1, rows)]  # node i under [0, i)
     tokens = [rng.randrange(vocab) for _ in range(rows)]
-    seq = SeqRows(tokens, tree_parents(parents), prefix, t.pages("s"), t.scratch("s", rows))
+    pages = t.pages("s")
+    pages = pages + [0] * (math.ceil(max_context / cache.page_size) + 1 - len(pages))
+    seq = SeqRows(tokens, tree_parents(parents), prefix, pages, t.scratch("s", rows))
     return build_plan([seq], device="cuda")
 
 
@@ -156,7 +163,7 @@ def main(args) -> int:
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11}")
     rng, out_rows = random.Random(0), []
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
-        plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng)
+        plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng, args.max_context)
         eager = time_ms(lambda: fast.forward(plan, cache.kv), args.iters)
         graph = torch.cuda.CUDAGraph()
         fast.forward(plan, cache.kv)  # warm the caching allocator outside the capture
