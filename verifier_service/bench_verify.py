@@ -125,6 +125,23 @@ def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: rand
     return build_plan([seq], device="cuda")
 
 
+def touched_experts(model: K2Model, plan, kv: torch.Tensor, experts: range) -> float:
+    """Mean over MoE layers of this rank's distinct experts the plan's rows route to (one eager forward with
+    the model's routing hook): the floor's expert bytes as routed, next to the uniform-routing estimate."""
+    counts: list[int] = []
+
+    def observe(layer: int, ids: torch.Tensor) -> None:
+        local = ids[(ids >= experts.start) & (ids < experts.stop)]
+        counts.append(int(local.unique().numel()))
+
+    model.on_experts = observe
+    try:
+        model.forward(plan, kv)
+    finally:
+        model.on_experts = None
+    return sum(counts) / max(len(counts), 1)
+
+
 def setup_ranks(ep_size: int):
     """Under torchrun (RANK set): NCCL ranks, each holding its own slice -> (rank, world, all_reduce).
     Otherwise one GPU simulating rank 0 of `ep_size` without collectives."""
@@ -160,7 +177,8 @@ def main(args) -> int:
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
         f"{len(experts)} experts, {len(heads)} heads, {layout}, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
-    say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11}")
+    say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11} "
+        f"{'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
     rng, out_rows = random.Random(0), []
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng, args.max_context)
@@ -174,13 +192,17 @@ def main(args) -> int:
         reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
         floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix,
                                   split=world if split else 1) / bw
+        touched = touched_experts(fast, plan, cache.kv, experts)
+        routed = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix, touched=touched,
+                                   split=world if split else 1) / bw
         row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
+                   touched_experts=touched, floor_routed_ms=routed,
                    layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,
                    split_replicated=split is not None,
                    prefix=args.prefix, gpu=torch.cuda.get_device_name())
         out_rows.append(row)
         say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
-              f"{floor:>9.3f} {replay / floor:>11.2f}")
+            f"{floor:>9.3f} {replay / floor:>11.2f} {touched:>7.1f} {routed:>12.3f} {replay / routed:>18.2f}")
     if args.out and rank == 0:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in out_rows)
