@@ -10,6 +10,8 @@ torch reference path, and the bandwidth floor (bytes the step must read ÷ measu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import math
 import random
@@ -19,7 +21,7 @@ import torch
 from kernels.bench import copy_bandwidth
 from verifier_service.config import VerifierConfig
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service import ranks
+from verifier_service import moe as moe_module, ranks
 from verifier_service.model import K2Model, identity
 from verifier_service.plan import SeqRows, build_plan, tree_parents
 from verifier_service.ranks import split_range, split_rows
@@ -43,6 +45,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--split-replicated", action=argparse.BooleanOptionalAction, default=True,
                    help="split the shared and dense MLPs and the lm_head over the ranks, as the verifier does by "
                         "default (--no-split-replicated: replicated on every rank)")
+    p.add_argument("--routing", default="model", choices=("model", "uniform"),
+                   help="model: the synthetic router's choice; uniform: its cost, but uniform random top-k ids")
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.set_defaults(func=main)
 
@@ -125,6 +129,38 @@ def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: rand
     return build_plan([seq], device="cuda")
 
 
+def time_step(model: K2Model, plan, kv: torch.Tensor, iters: int) -> tuple[float, float]:
+    """-> (eager ms, CUDA-graph replay ms) of one forward."""
+    eager = time_ms(lambda: model.forward(plan, kv), iters)
+    graph = torch.cuda.CUDAGraph()
+    model.forward(plan, kv)  # warm the caching allocator outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        model.forward(plan, kv)
+    return eager, time_ms(graph.replay, iters)
+
+
+@contextlib.contextmanager
+def uniform_routing(cfg, rows: int, seed: int = 0):
+    """`--routing uniform`: each MoE layer's router still runs (its cost stays in the step), but the layer
+    takes its top-k ids from a fixed uniform draw per layer and row, made here outside any graph: the
+    routing the uniform floor assumes. The synthetic weights route a tree's rows almost alike."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    draws = [torch.rand(rows, cfg.n_routed_experts, generator=g, device="cuda").topk(cfg.num_experts_per_tok).indices
+             for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    calls, real = itertools.count(), moe_module.route
+
+    def route(x, w, cfg_, use_kernel=False):
+        _, weights = real(x, w, cfg_, use_kernel)
+        return draws[next(calls) % len(draws)][: x.shape[0]], weights
+
+    moe_module.route = route  # moe_forward looks route up at each call
+    try:
+        yield
+    finally:
+        moe_module.route = real
+
+
 def touched_experts(model: K2Model, plan, kv: torch.Tensor, experts: range) -> float:
     """Mean over MoE layers of this rank's distinct experts the plan's rows route to (one eager forward with
     the model's routing hook): the floor's expert bytes as routed, next to the uniform-routing estimate."""
@@ -176,27 +212,23 @@ def main(args) -> int:
     collectives = "NCCL all-reduces" if world > 1 and reduce is not identity else "no collectives"
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
-        f"{len(experts)} experts, {len(heads)} heads, {layout}, prefix {args.prefix}; copy {bw / 1e9:.0f} GB/s")
+        f"{len(experts)} experts, {len(heads)} heads, {layout}, prefix {args.prefix}, {args.routing} routing; "
+        f"copy {bw / 1e9:.0f} GB/s")
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11} "
         f"{'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
     rng, out_rows = random.Random(0), []
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng, args.max_context)
-        eager = time_ms(lambda: fast.forward(plan, cache.kv), args.iters)
-        graph = torch.cuda.CUDAGraph()
-        fast.forward(plan, cache.kv)  # warm the caching allocator outside the capture
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            fast.forward(plan, cache.kv)
-        replay = time_ms(graph.replay, args.iters)
-        reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
+        with uniform_routing(cfg, rows) if args.routing == "uniform" else contextlib.nullcontext():
+            eager, replay = time_step(fast, plan, cache.kv, args.iters)
+            reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
+            touched = touched_experts(fast, plan, cache.kv, experts)
         floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix,
                                   split=world if split else 1) / bw
-        touched = touched_experts(fast, plan, cache.kv, experts)
         routed = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix, touched=touched,
                                    split=world if split else 1) / bw
         row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
-                   touched_experts=touched, floor_routed_ms=routed,
+                   touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
                    layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,
                    split_replicated=split is not None,
                    prefix=args.prefix, gpu=torch.cuda.get_device_name())
