@@ -194,13 +194,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     add), y = rms_norm(h). x, delta: contiguous [..., D], same shape and dtype. -> (h, y), new tensors.
     Rows off the 16-byte path take torch's add and rms_norm."""
     assert delta.shape == x.shape and delta.dtype == x.dtype, (x.shape, delta.shape, x.dtype, delta.dtype)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(h)
     D = x.shape[-1]
-    if not (x.is_contiguous() and delta.is_contiguous() and _vectorizable(x, D, weight, out)
-            and _vectorizable(delta, D, weight, h)):
+    if not (x.is_contiguous() and delta.is_contiguous() and _vectorizable(x, D, weight, x)
+            and _vectorizable(delta, D, weight, delta)):
         h = x + delta
         return h, rms_norm(h, weight, eps)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # torch's allocations: 16-byte aligned
+    out = torch.empty_like(h)
     if h.numel():
         _launch_vec(x, delta, weight, out, h, D, eps)
     return h, out

@@ -214,8 +214,8 @@ def main(args) -> int:
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
         f"{len(experts)} experts, {len(heads)} heads, {layout}, prefix {args.prefix}, {args.routing} routing; "
         f"copy {bw / 1e9:.0f} GB/s")
-    say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} {'graph/floor':>11} "
-        f"{'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
+    say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} "
+        f"{'graph/floor':>11} {'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
     rng, out_rows = random.Random(0), []
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng, args.max_context)
