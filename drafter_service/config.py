@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service_kit import busy_poll
 from service_kit.config import ServerConfig, option
 
 
@@ -51,8 +52,7 @@ class DrafterConfig(ServerConfig):
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:
             raise ValueError("window: must be >= 0")
-        if self.busy_poll_ms < 0 and self.busy_poll_ms != -1:
-            raise ValueError("busy_poll_ms: must be >= 0, or -1 (auto)")
+        busy_poll.check_ms(self.busy_poll_ms)
         if not -1 <= self.propose_port < 65536:
             raise ValueError(f"propose_port: {self.propose_port} is not a TCP port, 0 or -1")
         if self.torch_threads < 0:

@@ -46,6 +46,12 @@ class BusyPollSelector(selectors.DefaultSelector):
 GPU_DEFAULT_MS = 20.0  # a step is a few ms: a loop that saw a request spins until the next one comes
 
 
+def check_ms(busy_poll_ms: float) -> None:
+    """A service config's validation of its `busy_poll_ms` setting (>= 0, or -1 for auto_ms's default)."""
+    if busy_poll_ms < 0 and busy_poll_ms != -1:
+        raise ValueError("busy_poll_ms: must be >= 0, or -1 (auto)")
+
+
 def auto_ms(busy_poll_ms: float, device: str) -> float:
     """A service's `busy_poll_ms` setting -> milliseconds: -1 (auto) is GPU_DEFAULT_MS on a GPU and 0 on
     the CPU, where the services' compute needs every core."""

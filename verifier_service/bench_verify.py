@@ -223,10 +223,10 @@ def main(args) -> int:
             eager, replay = time_step(fast, plan, cache.kv, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
             touched = touched_experts(fast, plan, cache.kv, experts)
-        floor = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix,
-                                  split=world if split else 1) / bw
-        routed = 1e3 * floor_bytes(cfg, args.layers, len(experts), len(heads), rows, args.prefix, touched=touched,
-                                   split=world if split else 1) / bw
+        shape = (cfg, args.layers, len(experts), len(heads), rows, args.prefix)
+        shards = world if split else 1
+        floor = 1e3 * floor_bytes(*shape, split=shards) / bw
+        routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw
         row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
                    touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
                    layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,

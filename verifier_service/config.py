@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service_kit import busy_poll
 from service_kit.config import ServerConfig, option
 
 MODES = ("ar", "chain", "ddtree")
@@ -62,8 +63,7 @@ class VerifierConfig(ServerConfig):
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
         if self.synthetic_layers < 0 or self.force_accept_depth < 0 or self.torch_threads < 0:
             raise ValueError("synthetic_layers, force_accept_depth, torch_threads: must be >= 0")
-        if self.busy_poll_ms < 0 and self.busy_poll_ms != -1:
-            raise ValueError("busy_poll_ms: must be >= 0, or -1 (auto)")
+        busy_poll.check_ms(self.busy_poll_ms)
         if self.world_size < 1:
             raise ValueError("world_size: must be >= 1")
         if self.gpus and len(self.gpus) != self.world_size:
