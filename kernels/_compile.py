@@ -36,12 +36,20 @@ class Compiled:
 
 
 @functools.cache
-def cuda_source(code: str) -> str:
-    """common.cuh followed by the kernel's code (a .cu file name next to this module, or inline
-    source): the exact text that is compiled and hashed."""
+def cuda_source(code: str | tuple[str, ...]) -> str:
+    """common.cuh followed by the kernel's code (a .cu file name next to this module, a tuple of them
+    compiled as one unit, or inline source): the exact text that is compiled and hashed."""
     here = Path(__file__).parent
-    body = (here / code).read_text() if code.endswith(".cu") else code
-    return (here / "common.cuh").read_text() + "\n" + body
+    parts = code if isinstance(code, tuple) else (code,)
+    bodies = [(here / c).read_text() if c.endswith(".cu") else c for c in parts]
+    return "\n".join([(here / "common.cuh").read_text(), *bodies])
+
+
+def target_arch(arch: str) -> str:
+    """The arch a device's cubin is built for: Hopper's arch-specific target sm_90a, whose wgmma
+    (warpgroup MMA) mla_attn_wgmma uses; a sm_90a cubin runs on compute capability 9.0 only, which is
+    the device it is built for. Other archs as they are (their kernels use no arch-specific features)."""
+    return "sm_90a" if arch == "sm_90" else arch
 
 
 @functools.cache
@@ -110,7 +118,7 @@ def _load(source: str, names: tuple[str, ...], device: int) -> dict:
 
     dev = Device(device)
     dev.set_current()  # the primary context, which torch uses too
-    compiled = compile_cubin(source, f"sm_{dev.arch}", names)
+    compiled = compile_cubin(source, target_arch(f"sm_{dev.arch}"), names)
     mangled = {n: m.encode() for n, m in compiled.symbols.items()}  # bytes, as NVRTC reports them
     module = ObjectCode.from_cubin(compiled.cubin, symbol_mapping=mangled)
     return {n: module.get_kernel(n) for n in names}

@@ -223,7 +223,7 @@ def bench_mla(copy_bw: float, configs: tuple = (None,)) -> list[dict]:
         for config in configs:
             mla.CONFIG = config
             t = gpu_time([lambda c=c: mla.mla_tree_attention(*c, scale) for c in copies])
-            tag = "auto" if config is None else "mt={} st={}".format(*config)
+            tag = "auto" if config is None else config if isinstance(config, str) else "mt={} st={}".format(*config)
             row = result_row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} {tag}", t, nbytes, copy_bw,
                              t_ref, flops)
             row["roof_frac"] = max(nbytes / copy_bw, flops / BF16_FLOPS) / t

@@ -11,14 +11,14 @@ MODULES = ("moe_w4a16", "moe_gate", "mla_tree_attention", "mla_rope", "ddtree_bu
 
 
 def check(archs: list[str]) -> int:
-    from kernels._compile import compile_cubin, cuda_source, nvrtc_version, resources
+    from kernels._compile import compile_cubin, cuda_source, nvrtc_version, resources, target_arch
 
     print(f"NVRTC {'.'.join(map(str, nvrtc_version()))}")
     print(f"{'kernel':<44} {'arch':<7} {'regs':>5} {'smem':>6} {'stack':>6} {'spill st/ld':>12}")
     spilled = []
     for name in MODULES:
         mod = importlib.import_module(f"kernels.{name}")
-        for arch in archs:
+        for arch in map(target_arch, archs):
             report = resources(compile_cubin(cuda_source(mod.CODE), arch, mod.NAMES))
             for expr in mod.NAMES:
                 r = report[expr]

@@ -40,12 +40,18 @@ struct Seq {  // one block's sequence, query tile and key range; all 32-bit (reg
   int page_size;
 };
 
-// Slot of key j of the sequence, or -1 past the split's end (then zero-filled, not read).
-// Slots of one layer's cache fit 32 bits (2^31 slots would be 2.4 TB).
-__device__ __forceinline__ int key_slot(const Seq& s, int j) {
+// Where key j of the sequence lives, as loaded: its page id (prefix key), its slot (tree key), or -1 past
+// the split's end (then zero-filled, not read). Fetched a tile ahead and turned into a slot only when the
+// tile is issued (key_slot), so no arithmetic waits on these loads in between (a 1.5K-cycle stall per tile
+// when the slot was computed here, H200). Slots of one layer's cache fit 32 bits (2^31 slots = 2.4 TB).
+__device__ __forceinline__ int key_ref(const Seq& s, int j) {
   if (j >= s.kend) return -1;
-  if (j < s.L) return (int)s.page_table[s.pt0 + j / s.page_size] * s.page_size + j % s.page_size;
+  if (j < s.L) return (int)s.page_table[s.pt0 + j / s.page_size];
   return (int)s.write_slots[s.ws0 + j - s.L];
+}
+
+__device__ __forceinline__ int key_slot(const Seq& s, int j, int ref) {
+  return ref < 0 || j >= s.L ? ref : ref * s.page_size + j % s.page_size;
 }
 
 // 16-byte cp.async of row `row` (smem rows of 1152 B) from global row src: thread (lr = tid / 8,
@@ -54,6 +60,15 @@ __device__ __forceinline__ void copy_row(unsigned char* dst, int row, const u16*
   unsigned char* d = dst + row * ROWB + (((sub ^ row) & 7) << 4);
 #pragma unroll
   for (int i = 0; i < 9; ++i) cp_async16_zfill(d + 128 * i, src + (ok ? 8 * sub + 64 * i : 0), ok);
+}
+
+// The same row into the slab-major layout of mla_attn_wgmma (mla_tree_attention_sm90.cu): 9 slabs of 64 rows
+// x 128 B (SLAB bytes apart); thread sub copies chunk sub of each slab, swizzled as above.
+#define SLAB 8192
+__device__ __forceinline__ void copy_row_slabs(unsigned char* dst, int row, const u16* src, bool ok, int sub) {
+  unsigned char* d = dst + row * 128 + (((sub ^ row) & 7) << 4);
+#pragma unroll
+  for (int i = 0; i < 9; ++i) cp_async16_zfill(d + SLAB * i, src + (ok ? 8 * sub + 64 * i : 0), ok);
 }
 
 // S = Q Kᵀ for this warp's 16 rows x 8·NT keys over 576 dims. acc[n][c]: CH = 4/NT independent
@@ -206,17 +221,26 @@ __device__ __forceinline__ int split_chunk(int keys, int splits) {
   return KT * (((keys + KT - 1) / KT + splits - 1) / splits);
 }
 
-// Issue the cp.async copies of the 64-key tile whose slots this thread fetched (rows lr, lr + 32).
-__device__ __forceinline__ void issue_tile(unsigned char* dst, const u16* kv, const int (&slot)[2], int lr, int sub) {
+// Issue the cp.async copies of this thread's rows lr + (64 / NR)·r, r < NR, of the 64-key tile at key kb,
+// whose key_refs it fetched (NR = 2: 256 threads copy a tile; 4: 128 threads), in rows (copy_row) or slabs.
+template <int NR, bool SLABS = false>
+__device__ __forceinline__ void issue_tile(unsigned char* dst, const u16* kv, const Seq& sq, int kb,
+                                           const int (&ref)[NR], int lr, int sub) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) copy_row(dst, lr + 32 * r, kv + (slot[r] < 0 ? 0 : (i64)slot[r] * D), slot[r] >= 0, sub);
+  for (int r = 0; r < NR; ++r) {
+    const int row = lr + KT / NR * r, slot = key_slot(sq, kb + row, ref[r]);
+    const u16* src = kv + (slot < 0 ? 0 : (i64)slot * D);
+    if (SLABS) copy_row_slabs(dst, row, src, slot >= 0, sub);
+    else copy_row(dst, row, src, slot >= 0, sub);
+  }
   cp_async_commit();
 }
 
-// Slots of this thread's rows lr, lr + 32 of the tile starting at key kb.
-__device__ __forceinline__ void fetch_slots(int (&slot)[2], const Seq& sq, int kb, int lr) {
+// key_refs of this thread's rows lr + (64 / NR)·r of the tile starting at key kb.
+template <int NR>
+__device__ __forceinline__ void fetch_refs(int (&ref)[NR], const Seq& sq, int kb, int lr) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) slot[r] = key_slot(sq, kb + lr + 32 * r);
+  for (int r = 0; r < NR; ++r) ref[r] = key_ref(sq, kb + lr + KT / NR * r);
 }
 
 
@@ -224,7 +248,7 @@ __device__ __forceinline__ void fetch_slots(int (&slot)[2], const Seq& sq, int k
 // 225 KB, one block per SM on sm_90; MT=16, NSTAGE=1: 94 KB, fits sm_120's 99 KB).
 // Pipeline (NSTAGE=2): tiles 0 and 1 are issued before the loop; at the top of tile it >= 1 tile it+1
 // goes into the buffer tile it-1 freed. The slots of the next tile to issue are fetched a tile ahead
-// (sA), so no page-table load latency sits on the issue path.
+// (key_refs), so no page-table load latency sits on the issue path.
 // q [T*h, 576] bf16; kv [slots, 576] bf16 (one layer); page_table [B, npages]; prefix_lens [B];
 // row_starts [B+1]; tree_mask [T, R] bool; write_slots [T]. scale2 = softmax_scale * log2(e).
 // splits == 1: out [T*h, 512] bf16. splits > 1: o_part [splits, T*h, 512] fp32, lse_part [splits, T*h].
@@ -256,13 +280,13 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
   }
   const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT;
-  int sA[2];  // slots of this thread's rows of the next tile to issue
-  fetch_slots(sA, sq, sq.kbeg, lr);
-  issue_tile(sm.k[0], kv, sA, lr, sub);  // commits Q with it
-  fetch_slots(sA, sq, sq.kbeg + KT, lr);
+  int ref[2];  // key_refs of this thread's rows of the next tile to issue
+  fetch_refs<2>(ref, sq, sq.kbeg, lr);
+  issue_tile<2>(sm.k[0], kv, sq, sq.kbeg, ref, lr, sub);  // commits Q with it
+  fetch_refs<2>(ref, sq, sq.kbeg + KT, lr);
   if (NSTAGE == 2 && ntiles > 1) {
-    issue_tile(sm.k[NSTAGE - 1], kv, sA, lr, sub);
-    fetch_slots(sA, sq, sq.kbeg + 2 * KT, lr);
+    issue_tile<2>(sm.k[NSTAGE - 1], kv, sq, sq.kbeg + KT, ref, lr, sub);
+    fetch_refs<2>(ref, sq, sq.kbeg + 2 * KT, lr);
   }
 
   const int rg = warp % RG, kg = warp / RG, ra = 16 * rg + g;  // S role: rows ra, ra + 8
@@ -278,8 +302,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     else cp_async_wait<0>();
     __syncthreads();  // tile it landed for all threads; every warp is done with tile it-1
     if (NSTAGE == 2 && it >= 1 && it + 1 < ntiles) {
-      issue_tile(sm.k[buf ^ 1], kv, sA, lr, sub);
-      fetch_slots(sA, sq, kb + 2 * KT, lr);
+      issue_tile<2>(sm.k[buf ^ 1], kv, sq, kb + KT, ref, lr, sub);
+      fetch_refs<2>(ref, sq, kb + 2 * KT, lr);
     }
     float s[NT][4];
     qk_tile<NT>(sm.q + (16 * rg + (lane & 15)) * ROWB, sm.k[buf] + (8 * NT * kg + (lane & 7)) * ROWB, lane, s);
@@ -304,8 +328,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     pv_tile<RG>(sm.p, sm.k[buf], sm.alpha, warp, lane, o);
     if (NSTAGE == 1 && it + 1 < ntiles) {
       __syncthreads();  // the single buffer is free
-      issue_tile(sm.k[0], kv, sA, lr, sub);
-      fetch_slots(sA, sq, kb + 2 * KT, lr);
+      issue_tile<2>(sm.k[0], kv, sq, kb + KT, ref, lr, sub);
+      fetch_refs<2>(ref, sq, kb + 2 * KT, lr);
     }
   }
 

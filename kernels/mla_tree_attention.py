@@ -28,36 +28,54 @@ import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
 
-CODE = "mla_tree_attention.cu"
-# (query rows per block, key-tile stages): 64-key tiles of 73.7 KB. sm_90: 2 stages, one block per SM
-# (MT=64: 225 KB of smem); (16, 1) is 94 KB and fits sm_120's 99 KB.
-CONFIGS = ((16, 2), (32, 2), (64, 2), (16, 1))
-NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS) + ("mla_merge",)
+CODE = ("mla_tree_attention.cu", "mla_tree_attention_sm90.cu")
+# mla_attn<MT, NSTAGE> (mma.sync): MT query rows per block, NSTAGE cp.async stages of 64-key tiles (73.7 KB).
+# (64, 2) needs 225 KB of smem, one block per SM; (16, 1) is 94 KB and fits sm_120's 99 KB.
+# "wgmma": mla_attn_wgmma, 64 query rows on Hopper's warpgroup MMA (sm_90 only), 2 stages, 227 KB.
+CONFIGS = ((16, 2), (32, 2), (64, 2), (16, 1), "wgmma")
+NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS[:4]) + ("mla_attn_wgmma", "mla_merge")
 D, DV, KT = 576, 512, 64
 MAX_SPLITS = 1024  # mla_merge's limit
-CONFIG = None  # (MT, NSTAGE) forced by the bench / tests; None: _config picks
+CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config picks
 SPLITS = None  # split count forced by the bench; None: _split picks
 PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
 
 
-def _smem(mt: int, nstage: int) -> int:  # sizeof(Smem<MT, NSTAGE>) in the .cu
+def _smem(config) -> int:
+    """Dynamic smem bytes of a config: sizeof(Smem<MT, NSTAGE>), or sizeof(SmemWG) + 1 KB of alignment
+    slack (the wgmma operands sit on 1024-byte swizzle atoms)."""
+    if config == "wgmma":
+        return 3 * 9 * 8192 + 8192 + (4 * 64 + 4) * 4 + 1024
+    mt, nstage = config
     return mt * 1152 + nstage * KT * 1152 + mt * 128 + (128 + 2 * mt + 4) * 4
 
 
+def _kernel(config) -> str:
+    return "mla_attn_wgmma" if config == "wgmma" else f"mla_attn<{config[0]}, {config[1]}>"
+
+
 @functools.cache
-def _device(device: int) -> tuple[int, int, int]:
-    """-> (SMs, opt-in smem per block, smem per SM) in bytes."""
+def _device(device: int) -> tuple[int, int, int, bool]:
+    """-> (SMs, opt-in smem per block, smem per SM in bytes, has wgmma (compute capability 9.x))."""
     p = torch.cuda.get_device_properties(device)
     per_block = getattr(p, "shared_memory_per_block_optin", 99 * 1024)
-    return p.multi_processor_count, per_block, getattr(p, "shared_memory_per_multiprocessor", per_block)
+    return (p.multi_processor_count, per_block, getattr(p, "shared_memory_per_multiprocessor", per_block),
+            p.major == 9)
 
 
-def _config(q_rows: int, smem_block: int) -> tuple[int, int]:
+def _config(q_rows: int, smem_block: int, wgmma: bool):
     """Query tile: the smallest of 16/32/64 rows holding a sequence's (row, head) queries, else 64
-    (more query rows per key tile: fewer smem bytes per MMA). Two key stages where they fit."""
-    mt = 16 if q_rows <= 16 else 32 if q_rows <= 32 else 64
-    mt, ns = CONFIG if CONFIG is not None else (mt, 2)
-    return (mt, ns) if _smem(mt, ns) <= smem_block else (16, 1)
+    (more query rows per key tile: fewer smem bytes per MMA), on wgmma where the device has it. Two key
+    stages where they fit."""
+    if CONFIG is not None:
+        config = CONFIG
+    elif q_rows > 32:
+        config = "wgmma" if wgmma else (64, 2)
+    else:
+        config = (16 if q_rows <= 16 else 32, 2)
+    if config == "wgmma" and not wgmma:
+        config = (64, 2)
+    return config if _smem(config) <= smem_block else (16, 1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -92,15 +110,15 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
         return out
     ker = get_kernels(cuda_source(CODE), NAMES)
     page_size = kv_cache.shape[1]
-    sms, smem_block, smem_sm = _device(q.device.index or 0)
-    mt, ns = _config(R * h, smem_block)
-    smem = _smem(mt, ns)
-    per_sm = max(1, min(smem_sm // (smem + 1024), 2 if ns == 1 else 1))  # 1 KB: per-block reserve
-    q_blocks = math.ceil(R * h / mt)
+    sms, smem_block, smem_sm, wgmma = _device(q.device.index or 0)
+    config = _config(R * h, smem_block, wgmma)
+    smem = _smem(config)
+    per_sm = max(1, min(smem_sm // (smem + 1024), 2 if config == (16, 1) else 1))  # 1 KB: per-block reserve
+    q_blocks = math.ceil(R * h / (64 if config == "wgmma" else config[0]))
     splits = _split(B * q_blocks, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
-    launch(ker[f"mla_attn<{mt}, {ns}>"], (q_blocks, B, splits), 256, q, kv_cache, page_table, page_table.shape[1], page_size,
+    launch(ker[_kernel(config)], (q_blocks, B, splits), 256, q, kv_cache, page_table, page_table.shape[1], page_size,
            prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e),
            T * h, out, o_part, lse, smem=smem)
     if splits > 1:
