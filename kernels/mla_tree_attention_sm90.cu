@@ -11,8 +11,9 @@
 //   warpgroup 1: meanwhile issues the next tile's copies                                 | barrier
 //   both:        O_w = alpha O_w + P V[:, 256w .. 256w+255]   4 x wgmma m64n256k16 (B = V transposed)
 //                -> 128 fp32 regs per thread
-// Why one warpgroup scores all 64 keys: splitting them (m64n32 each, Q read by both) was 3-5 % slower
-// (H200), and a second accumulator chain did not help: the S wgmmas are bound by shared-memory reads.
+// Why one warpgroup scores all 64 keys (H200): splitting the keys (m64n32 each, Q read by both) was 3-5 %
+// slower; splitting the 576 dims (both warpgroups m64n64, partial S summed through smem) 20-35 % slower, as
+// warpgroup 1 then also issues the copies; two accumulator chains per warpgroup did not help.
 // wgmma D layout: warp 16 rows, lane 4g+t -> rows g, g+8, columns 8j+2t, +1, in S as in O.
 //
 // Shared layout: "slab-major" 128-byte swizzle, the canonical wgmma SW128 layout. A 64-row operand of
@@ -90,17 +91,23 @@ __device__ __forceinline__ void wgmma_m64n256_bt(float (&d)[32][4], u64 da, u64 
 }
 #undef WG_F4
 
-// S = Q Kᵀ for the 64 keys of one tile: 36 k-steps of 16 dims; k-step kk is 32·(kk % 4) bytes into slab kk / 4.
-__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], u32 q_addr, u32 k_addr) {
+// S = Q Kᵀ for the 64 keys of one tile over k-steps kk0 .. kk0 + NK - 1 of 16 dims (36 in all); k-step kk
+// is 32·(kk % 4) bytes into slab kk / 4. Issues the wgmmas; qk_wait completes them.
+template <int NK>
+__device__ __forceinline__ void qk_issue(float (&s)[8][4], u32 q_addr, u32 k_addr, int kk0) {
   const u64 qd = sw128_desc(q_addr, 16, 1024), kd = sw128_desc(k_addr, 16, 1024);
   fence_regs<8>(s);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 36; ++kk) {
+  for (int i = 0; i < NK; ++i) {
+    const int kk = kk0 + i;
     const u64 off = (u64)(((kk >> 2) * SLAB + (kk & 3) * 32) >> 4);
-    wgmma_m64n64(s, qd + off, kd + off, kk > 0);
+    wgmma_m64n64(s, qd + off, kd + off, i > 0);
   }
   wgmma_commit();
+}
+
+__device__ __forceinline__ void qk_wait(float (&s)[8][4]) {
   wgmma_wait0();
   fence_regs<8>(s);
 }
@@ -197,14 +204,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     fence_async_smem();
     __syncthreads();  // tile it landed for all threads; both warpgroups are done with tile it-1
     float al0, al1;
-    if (w == 1) {
-      if (it >= 1 && it + 1 < ntiles) {
-        issue_tile<4, true>(sm.k[buf ^ 1], kv, sq, kb + KT, ref, lr - 16, sub);
-        fetch_refs<4>(ref, sq, kb + 2 * KT, lr - 16);
-      }
-    } else {
-      float s[8][4];
-      qk_wgmma(s, smem_addr(sm.q), smem_addr(sm.k[buf]));
+    float s[8][4];
+    if (w == 0) qk_issue<36>(s, smem_addr(sm.q), smem_addr(sm.k[buf]), 0);
+    if (w == 1 && it >= 1 && it + 1 < ntiles) {  // while warpgroup 0's wgmmas run
+      issue_tile<4, true>(sm.k[buf ^ 1], kv, sq, kb + KT, ref, lr - 16, sub);
+      fetch_refs<4>(ref, sq, kb + 2 * KT, lr - 16);
+    }
+    if (w == 0) {
+      qk_wait(s);
       float tmax0, tmax1;
       mask_scores<8>(s, sq, kb + 2 * t4, kb + KT <= vis_end, tree_mask, tm0, tm1, scale2, tmax0, tmax1);
       al0 = softmax_row<8>(s, 0, tmax0, m0, l0), al1 = softmax_row<8>(s, 2, tmax1, m1, l1);
