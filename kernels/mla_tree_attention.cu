@@ -221,14 +221,14 @@ __device__ __forceinline__ int split_chunk(int keys, int splits) {
   return KT * (((keys + KT - 1) / KT + splits - 1) / splits);
 }
 
-// Issue the cp.async copies of this thread's rows lr + (64 / NR)·r, r < NR, of the 64-key tile at key kb,
-// whose key_refs it fetched (NR = 2: 256 threads copy a tile; 4: 128 threads), in rows (copy_row) or slabs.
-template <int NR, bool SLABS = false>
+// Issue the cp.async copies of this thread's rows lr + STRIDE·r, r < NR, of the 64-key tile at key kb, whose
+// key_refs it fetched (NR = 2: 256 threads copy a tile), in rows (copy_row) or slabs (copy_row_slabs).
+template <int NR, bool SLABS = false, int STRIDE = KT / NR>
 __device__ __forceinline__ void issue_tile(unsigned char* dst, const u16* kv, const Seq& sq, int kb,
                                            const int (&ref)[NR], int lr, int sub) {
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
-    const int row = lr + KT / NR * r, slot = key_slot(sq, kb + row, ref[r]);
+    const int row = lr + STRIDE * r, slot = key_slot(sq, kb + row, ref[r]);
     const u16* src = kv + (slot < 0 ? 0 : (i64)slot * D);
     if (SLABS) copy_row_slabs(dst, row, src, slot >= 0, sub);
     else copy_row(dst, row, src, slot >= 0, sub);
@@ -236,11 +236,11 @@ __device__ __forceinline__ void issue_tile(unsigned char* dst, const u16* kv, co
   cp_async_commit();
 }
 
-// key_refs of this thread's rows lr + (64 / NR)·r of the tile starting at key kb.
-template <int NR>
+// key_refs of this thread's rows lr + STRIDE·r of the tile starting at key kb.
+template <int NR, int STRIDE = KT / NR>
 __device__ __forceinline__ void fetch_refs(int (&ref)[NR], const Seq& sq, int kb, int lr) {
 #pragma unroll
-  for (int r = 0; r < NR; ++r) ref[r] = key_ref(sq, kb + lr + KT / NR * r);
+  for (int r = 0; r < NR; ++r) ref[r] = key_ref(sq, kb + lr + STRIDE * r);
 }
 
 
