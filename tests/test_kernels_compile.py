@@ -1,4 +1,4 @@
-"""CPU: every kernel compiles with NVRTC for sm_90 and sm_120 (no GPU needed) and reports resources."""
+"""CPU: every kernel compiles with NVRTC for sm_90 (as sm_90a) and sm_120 (no GPU needed) and reports resources."""
 
 import pytest
 
@@ -26,6 +26,18 @@ def test_check_compiles_every_kernel(tmp_path, monkeypatch, capsys):
             for arch in ("sm_90", "sm_120"):
                 assert f"{name}:{expr}" in out and arch in out
     assert len(list(tmp_path.glob("*.cubin"))) == 2 * len(cli.MODULES)
+
+
+def test_wgmma_kernel_is_built_only_for_sm90a(tmp_path, monkeypatch):
+    """Hopper devices get sm_90a cubins, where mla_attn_wgmma has its body (its 64 x 256 fp32 output
+    accumulators alone take 128 registers); elsewhere the body is compiled out and never launched."""
+    from kernels import mla_tree_attention as mla
+
+    monkeypatch.setattr(_compile, "CACHE_DIR", tmp_path)
+    assert _compile.target_arch("sm_90") == "sm_90a" and _compile.target_arch("sm_120") == "sm_120"
+    regs = {arch: _compile.resources(_compile.compile_cubin(_compile.cuda_source(mla.CODE), arch, mla.NAMES))
+            ["mla_attn_wgmma"]["regs"] for arch in ("sm_90a", "sm_120")}
+    assert regs["sm_90a"] > 128 and regs["sm_120"] < 32
 
 
 def test_cache_hit_returns_same_cubin(tmp_path, monkeypatch):
