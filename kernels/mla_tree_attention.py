@@ -21,9 +21,11 @@ head) queries of a sequence share each key tile load, up to 64 per block.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
+import numpy as np
 import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
@@ -38,6 +40,7 @@ D, DV, KT = 576, 512, 64
 MAX_SPLITS = 1024  # mla_merge's limit
 CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config picks
 SPLITS = None  # split count forced by the bench; None: _split picks
+TMA = True  # mla_attn_wgmma loads whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
 PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
 
 
@@ -45,7 +48,7 @@ def _smem(config) -> int:
     """Dynamic smem bytes of a config: sizeof(Smem<MT, NSTAGE>), or sizeof(SmemWG) + 1 KB of alignment
     slack (the wgmma operands sit on 1024-byte swizzle atoms)."""
     if config == "wgmma":
-        return 3 * 9 * 8192 + 8192 + (4 * 64 + 4) * 4 + 1024
+        return 3 * 9 * 8192 + 8192 + 16 + (4 * 64 + 4) * 4 + 1024
     mt, nstage = config
     return mt * 1152 + nstage * KT * 1152 + mt * 128 + (128 + 2 * mt + 4) * 4
 
@@ -76,6 +79,27 @@ def _config(q_rows: int, smem_block: int, wgmma: bool):
     if config == "wgmma" and not wgmma:
         config = (64, 2)
     return config if _smem(config) <= smem_block else (16, 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_map(ptr: int, rows: int, device: int) -> torch.Tensor:
+    """CUtensorMap (128 B, in device memory) of one layer's cache viewed as [rows, 576] bf16: boxes of 64 dims x
+    64 keys, 128-byte swizzle = mla_attn_wgmma's slab layout. Cached per allocation, so it is made in the eager
+    run before a graph capture and stays alive with the cache."""
+    from cuda.bindings import driver as cu
+
+    from kernels._compile import _check
+
+    u32, u64 = cu.cuuint32_t, cu.cuuint64_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, [u64(D), u64(rows)], [u64(D * 2)],
+        [u32(64), u32(KT)], [u32(1), u32(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    _check(err)
+    raw = bytearray(ctypes.string_at(tmap.getPtr(), 128))
+    return torch.frombuffer(raw, dtype=torch.uint8).to(f"cuda:{device}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -118,9 +142,13 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     splits = _split(B * q_blocks, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
-    launch(ker[_kernel(config)], (q_blocks, B, splits), 256, q, kv_cache, page_table, page_table.shape[1], page_size,
-           prefix_lens, row_starts, tree_mask, R, write_slots, h, softmax_scale * math.log2(math.e),
-           T * h, out, o_part, lse, smem=smem)
+    args = [q, kv_cache, page_table, page_table.shape[1], page_size, prefix_lens, row_starts, tree_mask, R,
+            write_slots, h, softmax_scale * math.log2(math.e), T * h, out, o_part, lse]
+    if config == "wgmma":  # TMA for whole-page tiles where pages hold whole 64-key tiles
+        rows = kv_cache.shape[0] * page_size
+        args.append(_tensor_map(kv_cache.data_ptr(), rows, q.device.index or 0) if page_size % KT == 0 and TMA
+                    else np.uint64(0))
+    launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem)
     if splits > 1:
         launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, splits, T * h, out,
                pdl=PDL)

@@ -28,6 +28,7 @@ struct SmemWG {  // 1024-byte aligned (the swizzle atom)
   unsigned char q[9 * SLAB];
   unsigned char k[2][9 * SLAB];
   unsigned char p[SLAB];  // P [64 rows, 64 keys] bf16, one K-major slab
+  u64 bar[2];  // per K stage: the mbarrier its TMA loads complete on
   float red[2][64];  // at the end: each warpgroup's row sums (warpgroup 1's are 0)
   float m[64];
   float alpha[64];  // the tile's rescale factors, for warpgroup 1
@@ -91,6 +92,41 @@ __device__ __forceinline__ void wgmma_m64n256_bt(float (&d)[32][4], u64 da, u64 
 }
 #undef WG_F4
 
+// TMA: a tile wholly inside the committed prefix lies in one page (page_size % 64 == 0) and is fetched as 9
+// boxes of 64 dims x 64 keys by one thread; the tensor map's 128-byte swizzle writes the slab layout. The
+// stage's mbarrier completes on one arrival plus the tile's 73,728 bytes.
+__device__ __forceinline__ void mbar_init(u64* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
+      ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_tile(unsigned char* dst, u64* bar, const void* tmap, int slot) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(9 * SLAB)
+               : "memory");
+#pragma unroll
+  for (int s = 0; s < 9; ++s)
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(smem_addr(dst + s * SLAB)), "l"(tmap), "r"(64 * s), "r"(slot), "r"(smem_addr(bar)) : "memory");
+}
+
+// The tile at key kb into stage st: by TMA from `issuer` (whose ref[0] is the tile's row 0) where a tensor map
+// exists and the tile is all committed prefix, else by cp.async of this thread's rows lr + STRIDE·r. Commits one
+// cp.async group either way, so the stage waits count the same groups.
+template <int NR, int STRIDE = KT / NR>
+__device__ __forceinline__ void load_tile(SmemWG& sm, int st, const u16* kv, const void* tmap, const Seq& sq, int kb,
+                                          int vis_end, const int (&ref)[NR], int lr, int sub, bool issuer) {
+  if (tmap != nullptr && kb + KT <= vis_end) {
+    if (issuer) tma_tile(sm.k[st], &sm.bar[st], tmap, key_slot(sq, kb, ref[0]));
+    cp_async_commit();
+  } else {
+    issue_tile<NR, true, STRIDE>(sm.k[st], kv, sq, kb, ref, lr, sub);
+  }
+}
+
 // S = Q Kᵀ for the 64 keys of one tile over k-steps kk0 .. kk0 + NK - 1 of 16 dims (36 in all); k-step kk
 // is 32·(kk % 4) bytes into slab kk / 4. Issues the wgmmas; qk_wait completes them.
 template <int NK>
@@ -153,16 +189,19 @@ __device__ __forceinline__ void write_out_wg(const float (&o)[32][4], const Smem
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Grid (ceil(R*h / 64), B, splits); block 256; dynamic smem sizeof(SmemWG) + 1024 (alignment slack).
-// Arguments and outputs as mla_attn. Pipeline: all threads issue Q and tiles 0, 1 before the loop; in the
-// loop tile it+1 goes into the buffer tile it-1 freed, issued while warpgroup 0's S wgmmas run: the
-// copies' issue took ~1.5K cycles per tile on the critical path when both warpgroups did it before S.
-// Warpgroup 1 issues 3/4 of the rows; warpgroup 0 a quarter after its wgmmas (H200, 10 heads x 64 rows x
-// 32K keys: 125 -> 123 us; half each: 130 us, as the copies slow the wgmmas' shared-memory reads).
+// Arguments and outputs as mla_attn; tmap: the cache's CUtensorMap (mla_tree_attention._tensor_map) or null.
+// Pipeline: Q and tiles 0, 1 are issued before the loop; in the loop tile it+1 goes into the stage tile it-1
+// freed, issued while warpgroup 0's S wgmmas run. Whole-prefix tiles come by TMA (thread 0 in the prologue,
+// thread 128 in the loop): 9 instructions instead of 4,608 16-byte cp.async, whose issue took ~2K cycles
+// per tile (H200, 10 heads x 64 rows x 32K keys: 120.7 -> 107.4 us). The other tiles (the one holding the
+// prefix's end and the tree rows, or any tile when page_size % 64 != 0) go by cp.async, zero-filling keys
+// past the split's end: warpgroup 1 issues rows 0..47, warpgroup 0 rows 48..63 after its wgmmas.
 extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     const u16* __restrict__ q, const u16* __restrict__ kv, const i64* __restrict__ page_table, int npages,
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
-    float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part) {
+    float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+    const void* tmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_trigger();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -179,19 +218,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
 
+  if (tid == 0) {
+    mbar_init(&sm.bar[0]), mbar_init(&sm.bar[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
   for (int row = lr; row < 64; row += 32) {  // Q tile, zero rows past the sequence's queries
     const bool ok = sq.q0 + row < sq.q_end;
     copy_row_slabs(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
   }
-  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT;
+  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);
   // In the loop warpgroup 1 copies rows 0..47 of a tile (three per thread, 16 apart), warpgroup 0 rows 48..63
-  // (one per thread) after issuing its wgmmas.
+  // (one per thread) after issuing its wgmmas; thread 128 issues TMA tiles.
   int ref2[2], ref1[3], ref0[1];  // key_refs: rows lr, lr + 32 (prologue); the loop's rows
   fetch_refs<2>(ref2, sq, sq.kbeg, lr);
-  issue_tile<2, true>(sm.k[0], kv, sq, sq.kbeg, ref2, lr, sub);  // commits Q with it
+  load_tile<2>(sm, 0, kv, tmap, sq, sq.kbeg, vis_end, ref2, lr, sub, tid == 0);  // commits Q with it
   if (ntiles > 1) {
     fetch_refs<2>(ref2, sq, sq.kbeg + KT, lr);
-    issue_tile<2, true>(sm.k[1], kv, sq, sq.kbeg + KT, ref2, lr, sub);
+    load_tile<2>(sm, 1, kv, tmap, sq, sq.kbeg + KT, vis_end, ref2, lr, sub, tid == 0);
   }
   if (w == 1) fetch_refs<3, 16>(ref1, sq, sq.kbeg + 2 * KT, lr - 16);
   else fetch_refs<1>(ref0, sq, sq.kbeg + 2 * KT, 48 + lr);
@@ -201,11 +245,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
   const int tm1 = sq.q0 + ra + 8 < sq.q_end ? (sq.q0 + ra + 8) / h * R : -1;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // warpgroup 0's softmax state
   float o[32][4] = {};
-  const int vis_end = min(sq.L, sq.kend);
+  u32 parity = 0;  // bit st: the phase stage st's mbarrier completes next
   for (int it = 0; it < ntiles; ++it) {
     const int buf = it & 1, kb = sq.kbeg + it * KT;
     if (it == 0 && ntiles > 1) cp_async_wait<1>();
     else cp_async_wait<0>();
+    if (tmap != nullptr && kb + KT <= vis_end) mbar_wait(&sm.bar[buf], parity >> buf & 1), parity ^= 1u << buf;
     fence_async_smem();
     __syncthreads();  // tile it landed for all threads; both warpgroups are done with tile it-1
     float al0, al1;
@@ -213,10 +258,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     if (w == 0) qk_issue<36>(s, smem_addr(sm.q), smem_addr(sm.k[buf]), 0);
     if (it >= 1 && it + 1 < ntiles) {  // warpgroup 0: while its wgmmas run
       if (w == 1) {
-        issue_tile<3, true, 16>(sm.k[buf ^ 1], kv, sq, kb + KT, ref1, lr - 16, sub);
+        load_tile<3, 16>(sm, buf ^ 1, kv, tmap, sq, kb + KT, vis_end, ref1, lr - 16, sub, tid == 128);
         fetch_refs<3, 16>(ref1, sq, kb + 2 * KT, lr - 16);
       } else {
-        issue_tile<1, true>(sm.k[buf ^ 1], kv, sq, kb + KT, ref0, 48 + lr, sub);
+        load_tile<1>(sm, buf ^ 1, kv, tmap, sq, kb + KT, vis_end, ref0, 48 + lr, sub, false);
         fetch_refs<1>(ref0, sq, kb + 2 * KT, 48 + lr);
       }
     }

@@ -188,6 +188,7 @@ def test_moe_w4a16_nothing_local(T):
     ([16], [20000], 64, 64),  # long prefix: many splits, LSE merge
     ([1], [40000], 10, 64),  # decode, long prefix: ~130 splits over the SMs, merge
     ([16, 1], [40000, 9000], 9, 64),  # unequal sessions: the short one leaves its tail splits empty
+    ([16, 3], [5000, 129], 10, 128),  # two 64-key tiles per page (TMA boxes at a page offset)
 ])
 def test_mla_tree_attention(rows, prefixes, heads, page_size):
     args = mla_case(rows, prefixes, heads, page_size, seed=sum(rows))
@@ -212,12 +213,15 @@ def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
                  rel=1e-2, cos=0.99995)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("config", mla_mod.CONFIGS)
-def test_mla_tree_attention_configs(config, monkeypatch):
+def test_mla_tree_attention_configs(config, page_size, tma, monkeypatch):
     """Every compiled (query tile, key stages) instance, whatever the launcher would pick here;
-    (16, 1) is the sm_120 path."""
+    (16, 1) is the sm_120 path. The wgmma kernel (sm_90) loads whole-prefix tiles by TMA at page size 64."""
     monkeypatch.setattr(mla_mod, "CONFIG", config)
-    args = mla_case([5, 17, 2], [3000, 700, 0], 10, 16, seed=11)
+    monkeypatch.setattr(mla_mod, "TMA", tma)
+    args = mla_case([5, 17, 2], [3000, 700, 0], 10, page_size, seed=11)
     poison_allocator()
     out = mla_tree_attention(*args, 0.14467963)
     assert_close(out, mla_tree_attention_ref(*args, 0.14467963), rel=1e-2, cos=0.99995)
