@@ -221,6 +221,20 @@ __device__ __forceinline__ int split_chunk(int keys, int splits) {
   return KT * (((keys + KT - 1) / KT + splits - 1) / splits);
 }
 
+// Block (x, b, z)'s Seq: sequence b, query tile x of mt flat (row, head) rows, key split z of gridDim.z.
+// Empty (q0 >= q_end or kbeg >= kend) when the tile or the split has nothing of this sequence.
+__device__ __forceinline__ Seq block_seq(const i64* page_table, int npages, int page_size, const i64* prefix_lens,
+                                         const i64* row_starts, const i64* write_slots, int h, int mt) {
+  const int b = blockIdx.y, r0 = (int)row_starts[b], rb = (int)row_starts[b + 1] - r0;
+  Seq sq;
+  sq.page_table = page_table, sq.write_slots = write_slots, sq.page_size = page_size;
+  sq.pt0 = b * npages, sq.ws0 = r0;
+  sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + blockIdx.x * mt, sq.q_end = (r0 + rb) * h;
+  const int chunk = split_chunk(sq.L + rb, gridDim.z);
+  sq.kbeg = blockIdx.z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
+  return sq;
+}
+
 // Issue the cp.async copies of this thread's rows lr + STRIDE·r, r < NR, of the 64-key tile at key kb, whose
 // key_refs it fetched (NR = 2: 256 threads copy a tile), in rows (copy_row) or slabs (copy_row_slabs).
 template <int NR, bool SLABS = false, int STRIDE = KT / NR>
@@ -264,14 +278,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem<MT, NSTAGE>& sm = *reinterpret_cast<Smem<MT, NSTAGE>*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  const int lr = tid >> 3, sub = tid & 7, b = blockIdx.y;
-  const int r0 = (int)row_starts[b], rb = (int)row_starts[b + 1] - r0;
-  Seq sq;
-  sq.page_table = page_table, sq.write_slots = write_slots, sq.page_size = page_size;
-  sq.pt0 = b * npages, sq.ws0 = r0;
-  sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + blockIdx.x * MT, sq.q_end = (r0 + rb) * h;
-  const int chunk = split_chunk(sq.L + rb, gridDim.z);
-  sq.kbeg = blockIdx.z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
+  const int lr = tid >> 3, sub = tid & 7;
+  Seq sq = block_seq(page_table, npages, page_size, prefix_lens, row_starts, write_slots, h, MT);
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
 

@@ -207,14 +207,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   SmemWG& sm = *reinterpret_cast<SmemWG*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 7, g = lane >> 2, t4 = lane & 3;
-  const int lr = tid >> 3, sub = tid & 7, b = blockIdx.y;
-  const int r0 = (int)row_starts[b], rb = (int)row_starts[b + 1] - r0;
-  Seq sq;
-  sq.page_table = page_table, sq.write_slots = write_slots, sq.page_size = page_size;
-  sq.pt0 = b * npages, sq.ws0 = r0;
-  sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + blockIdx.x * 64, sq.q_end = (r0 + rb) * h;
-  const int chunk = split_chunk(sq.L + rb, gridDim.z);
-  sq.kbeg = blockIdx.z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
+  const int lr = tid >> 3, sub = tid & 7;
+  Seq sq = block_seq(page_table, npages, page_size, prefix_lens, row_starts, write_slots, h, 64);
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
 
