@@ -16,7 +16,10 @@ Row t of sequence b attends its prefix (keys 0..L-1) and its visible tree rows, 
 first 512 dims: o_lat = softmax(scale · q·k) ĉ. The caller applies W_UV and o_proj. Same arguments as
 verifier_service/plan.py BatchPlan fields. Kernel: bf16 MMAs, fp32 softmax/accumulation, split-K
 over long prefixes merged by LSE (split count from shapes and the SM count: graph-safe); the (row,
-head) queries of a sequence share each key tile load, up to 64 per block.
+head) queries of a sequence share each key tile load, up to 64 per block. On Hopper, sequences with
+more than 32 queries run mla_attn_wgmma (warpgroup MMA; whole-prefix tiles by TMA through a tensor map
+of kv_cache, made on the first, eager call for that cache, since a graph capture cannot copy it to the
+device).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
 // warpgroup.
 //
 // Block = 2 warpgroups (256 threads), 64 flat (row, head) query rows x one split of the keys; 64-key
-// tiles in 2 cp.async stages. Per key tile:
+// tiles in 2 stages, loaded by TMA or cp.async (see the kernel). Per key tile:
 //   warpgroup 0: S = Q Kᵀ   36 x wgmma m64n64k16 (A = Q, B = K, both from smem) -> 32 fp32 regs;
 //                mask, online softmax (fp32, base 2), P bf16 and the rescale factors alpha -> smem
-//   warpgroup 1: meanwhile issues the next tile's copies                                 | barrier
+//   warpgroup 1: meanwhile issues the next tile's loads                                  | barrier
 //   both:        O_w = alpha O_w + P V[:, 256w .. 256w+255]   4 x wgmma m64n256k16 (B = V transposed)
 //                -> 128 fp32 regs per thread
 // Why one warpgroup scores all 64 keys (H200): splitting the keys (m64n32 each, Q read by both) was 3-5 %
@@ -40,12 +40,8 @@ struct SmemWG {  // 1024-byte aligned (the swizzle atom)
 __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
-#ifndef V_LBO
 #define V_LBO SLAB  // V: next 64 dims (MN) = next slab
-#endif
-#ifndef V_SBO
 #define V_SBO 1024  // V: next 8 keys (K) = next 1024-byte atom
-#endif
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -127,18 +123,16 @@ __device__ __forceinline__ void load_tile(SmemWG& sm, int st, const u16* kv, con
   }
 }
 
-// S = Q Kᵀ for the 64 keys of one tile over k-steps kk0 .. kk0 + NK - 1 of 16 dims (36 in all); k-step kk
-// is 32·(kk % 4) bytes into slab kk / 4. Issues the wgmmas; qk_wait completes them.
-template <int NK>
-__device__ __forceinline__ void qk_issue(float (&s)[8][4], u32 q_addr, u32 k_addr, int kk0) {
+// S = Q Kᵀ for the 64 keys of one tile: 36 k-steps of 16 dims; k-step kk is 32·(kk % 4) bytes into slab kk / 4.
+// Issues the wgmmas; qk_wait completes them.
+__device__ __forceinline__ void qk_issue(float (&s)[8][4], u32 q_addr, u32 k_addr) {
   const u64 qd = sw128_desc(q_addr, 16, 1024), kd = sw128_desc(k_addr, 16, 1024);
   fence_regs<8>(s);
   wgmma_fence();
 #pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    const int kk = kk0 + i;
+  for (int kk = 0; kk < 36; ++kk) {
     const u64 off = (u64)(((kk >> 2) * SLAB + (kk & 3) * 32) >> 4);
-    wgmma_m64n64(s, qd + off, kd + off, i > 0);
+    wgmma_m64n64(s, qd + off, kd + off, kk > 0);
   }
   wgmma_commit();
 }
@@ -249,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     __syncthreads();  // tile it landed for all threads; both warpgroups are done with tile it-1
     float al0, al1;
     float s[8][4];
-    if (w == 0) qk_issue<36>(s, smem_addr(sm.q), smem_addr(sm.k[buf]), 0);
+    if (w == 0) qk_issue(s, smem_addr(sm.q), smem_addr(sm.k[buf]));
     if (it >= 1 && it + 1 < ntiles) {  // warpgroup 0: while its wgmmas run
       if (w == 1) {
         load_tile<3, 16>(sm, buf ^ 1, kv, tmap, sq, kb + KT, vis_end, ref1, lr - 16, sub, tid == 128);
