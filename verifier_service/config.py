@@ -8,6 +8,7 @@ from service_kit import busy_poll
 from service_kit.config import ServerConfig, option
 
 MODES = ("ar", "chain", "ddtree")
+DRAFTER_TRANSPORTS = ("framed", "grpc")  # how Proposes travel: the drafter's framed port when it has one, or gRPC
 SYNTHETIC_PRESETS = ("k26", "k26-mini")  # verifier_service/synthetic.py PRESETS (not imported: no torch here)
 
 
@@ -36,7 +37,7 @@ class VerifierConfig(ServerConfig):
     max_batch: int = option(64, "sessions decoded together in one step")
     drafter_transport: str = option("framed", "how Proposes travel: framed = the drafter's framed Propose port "
                                     "(GetInfo.propose_port; gRPC for a replica without one), grpc = the "
-                                    "ProposeStream RPC", choices=("framed", "grpc"))
+                                    "ProposeStream RPC", choices=DRAFTER_TRANSPORTS)
     busy_poll_ms: float = option(-1.0, "the engine waits for a drafter's framed answer polling without "
                                  "sleeping for up to this long, then blocks (service_kit/busy_poll.py); 0 = block; "
                                  "-1 = 20 on a GPU, 0 on CPU (where the spin would take a core from the drafter)")

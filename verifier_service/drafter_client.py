@@ -30,13 +30,13 @@ from service_kit.health import is_serving
 from service_kit.logs import get_logger
 from service_kit.server import channel_options
 from service_kit.tensors import to_proto
+from verifier_service.config import DRAFTER_TRANSPORTS as TRANSPORTS
 from verifier_service.propose_socket import ProposeSocket
 from verifier_service.propose_stream import ProposeStream
 
 log = get_logger("verifier.drafter_client")
 DRAFTER_SERVICE = "ddtree.internal.v1.Drafter"
 PROBES_TO_DOWN = 2  # failed health checks in a row that mark a replica down
-TRANSPORTS = ("framed", "grpc")  # how Proposes travel: the drafter's framed port when it has one, or gRPC
 
 
 @dataclass
