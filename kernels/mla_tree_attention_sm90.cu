@@ -109,13 +109,19 @@ __device__ __forceinline__ void tma_tile(unsigned char* dst, u64* bar, const voi
         ::"r"(smem_addr(dst + s * SLAB)), "l"(tmap), "r"(64 * s), "r"(slot), "r"(smem_addr(bar)) : "memory");
 }
 
+// Whether the tile at key kb comes by TMA (its load and its wait must agree): a tensor map exists and the tile
+// is all committed prefix (below vis_end = min(L, kend)).
+__device__ __forceinline__ bool by_tma(const void* tmap, int kb, int vis_end) {
+  return tmap != nullptr && kb + KT <= vis_end;
+}
+
 // The tile at key kb into stage st: by TMA from `issuer` (whose ref[0] is the tile's row 0) where a tensor map
 // exists and the tile is all committed prefix, else by cp.async of this thread's rows lr + STRIDE·r. Commits one
 // cp.async group either way, so the stage waits count the same groups.
 template <int NR, int STRIDE = KT / NR>
 __device__ __forceinline__ void load_tile(SmemWG& sm, int st, const u16* kv, const void* tmap, const Seq& sq, int kb,
                                           int vis_end, const int (&ref)[NR], int lr, int sub, bool issuer) {
-  if (tmap != nullptr && kb + KT <= vis_end) {
+  if (by_tma(tmap, kb, vis_end)) {
     if (issuer) tma_tile(sm.k[st], &sm.bar[st], tmap, key_slot(sq, kb, ref[0]));
     cp_async_commit();
   } else {
@@ -238,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     const int buf = it & 1, kb = sq.kbeg + it * KT;
     if (it == 0 && ntiles > 1) cp_async_wait<1>();
     else cp_async_wait<0>();
-    if (tmap != nullptr && kb + KT <= vis_end) mbar_wait(&sm.bar[buf], parity >> buf & 1), parity ^= 1u << buf;
+    if (by_tma(tmap, kb, vis_end)) mbar_wait(&sm.bar[buf], parity >> buf & 1), parity ^= 1u << buf;
     fence_async_smem();
     __syncthreads();  // tile it landed for all threads; both warpgroups are done with tile it-1
     float al0, al1;
