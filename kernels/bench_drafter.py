@@ -55,5 +55,5 @@ def bench_dflash(copy_bw: float) -> list[dict]:
         t_ref = gpu_time([lambda: dflash_attention_ref(*cases[0])], reps=5, graph=False)
         nbytes = B * (pages * 64 + Bk) * nkv * hd * 2 * 2
         rows.append(result_row("dflash_attention", f"sessions={B} keys={pages * 64} heads={nh}/{nkv}x{hd}", t, nbytes,
-                         copy_bw, t_ref))
+                               copy_bw, t_ref))
     return rows
