@@ -1,7 +1,7 @@
 """MLA's RoPE and latent cache write in one launch (instead of ~20: two interleaved rotations of ~8 ops
 each, a concatenation, a cast and an indexed write).
 
-    mla_rope(q, kv, c, cos, sin, cache, slots) -> q_rope
+    mla_rope(q, kv, c, cos, sin, cache, slots, out=None) -> q_rope
 
 q      [T, h, D] contiguous: per head [nope | rope]; its last R = rope dims are rotated into q_rope
 kv     [T, C + R], last dim contiguous, any row stride (a column block of the fused q/kv latent projection's
@@ -10,7 +10,9 @@ c      [T, C] contiguous: the normed latent (kv_a_layernorm of kv[:, :C])
 cos    [T, R/2] fp32 contiguous (sin the same): one angle per interleaved pair, amplitude folded in
 cache  [S, C + R] one layer's latent cache viewed flat, q's dtype: row slots[t] <- [c[t] | rope(k_rope[t])]
 slots  int64 [T]
-q_rope [T, h, R] (new tensor, q's dtype)
+out    None, or where q_rope goes: [T, h, R] of q's dtype, last dim contiguous, any head and row strides (the
+       rope columns of the absorbed query [T, h, C + R] that the tree-attention kernel reads: no copy)
+q_rope [T, h, R] (out, or a new tensor)
 
 Rotation of pair (e, o) = (x[2i], x[2i+1]): (e·cos - o·sin, e·sin + o·cos), each product and sum rounded
 to fp32 on its own as torch's elementwise ops do (no FMA contraction), then once to q's dtype: the result
@@ -19,6 +21,7 @@ equals verifier_service.rope.apply_rope bit for bit. fp32 and bf16.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
@@ -36,7 +39,7 @@ template <typename T>
 __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, const T* __restrict__ c,
                          const float* __restrict__ cos, const float* __restrict__ sin, T* __restrict__ cache,
                          const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R,
-                         int kv_ld) {
+                         int kv_ld, i64 out_t, i64 out_h) {
   const int t = blockIdx.x, half = R / 2;
   const float* ct = cos + (i64)t * half;
   const float* sn = sin + (i64)t * half;
@@ -46,8 +49,7 @@ __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, cons
     rotate(kv + (i64)t * kv_ld + C + 2 * i, row + C + 2 * i, ct[i], sn[i]);
   for (int j = threadIdx.x; j < h * half; j += blockDim.x) {
     const int head = j / half, i = j % half;
-    const i64 qh = (i64)t * h + head;
-    rotate(q + qh * D + (D - R) + 2 * i, q_rope + qh * R + 2 * i, ct[i], sn[i]);
+    rotate(q + ((i64)t * h + head) * D + (D - R) + 2 * i, q_rope + t * out_t + head * out_h + 2 * i, ct[i], sn[i]);
   }
 }
 """
@@ -60,7 +62,7 @@ def fits(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def mla_rope(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+             cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     T, h, D = q.shape
     C, R = c.shape[1], 2 * cos.shape[1]
     assert fits(q, cache) and kv.dtype == c.dtype == q.dtype, (q.dtype, kv.dtype, c.dtype, cache.dtype)
@@ -70,15 +72,17 @@ def mla_rope(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tens
     for x in (q, c, cos, sin, cache, slots):
         assert x.is_contiguous()
     assert kv.stride(1) == 1, kv.stride()
-    q_rope = torch.empty(T, h, R, dtype=q.dtype, device=q.device)
+    q_rope = torch.empty(T, h, R, dtype=q.dtype, device=q.device) if out is None else out
+    assert q_rope.shape == (T, h, R) and q_rope.dtype == q.dtype and q_rope.stride(2) == 1, q_rope.stride()
     if T:
         ker = get_kernels(cuda_source(CODE), NAMES)[f"mla_rope<{_TYPE[q.dtype]}>"]
-        launch(ker, T, 128, q, kv, c, cos, sin, cache, slots, q_rope, h, D, C, R, kv.stride(0))
+        launch(ker, T, 128, q, kv, c, cos, sin, cache, slots, q_rope, h, D, C, R, kv.stride(0),
+               np.int64(q_rope.stride(0)), np.int64(q_rope.stride(1)))
     return q_rope
 
 
 def mla_rope_ref(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                 cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     R = 2 * cos.shape[1]
 
     def rotate(x: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor) -> torch.Tensor:  # interleaved pairs, fp32
@@ -86,4 +90,5 @@ def mla_rope_ref(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.
         return torch.stack((e * cs - o * sn, e * sn + o * cs), dim=-1).flatten(-2).to(x.dtype)
 
     cache[slots] = torch.cat([c, rotate(kv[:, -R:], cos, sin)], dim=-1).to(cache.dtype)
-    return rotate(q[..., -R:], cos[:, None, :], sin[:, None, :])
+    q_rope = rotate(q[..., -R:], cos[:, None, :], sin[:, None, :])
+    return q_rope if out is None else out.copy_(q_rope)

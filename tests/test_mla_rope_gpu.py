@@ -55,3 +55,21 @@ def test_mla_rope_equals_the_model_math(T, h, nope, R, C, dtype, wide):
 def test_mla_rope_empty():
     q, kv, c, cos, sin, cache, slots = case(0, 10, 128, 64, 512, torch.bfloat16)
     assert mla_rope(q, kv, c, cos, sin, cache, slots).shape == (0, 10, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T, h", [(1, 10), (17, 6), (3, 1)])
+def test_mla_rope_writes_into_the_absorbed_query(T, h, dtype):
+    """out = the rope columns of a [T, h, C + R] buffer (strided view): the same values as the returned tensor
+    without out, and the buffer's other columns untouched."""
+    nope, R, C = 128, 64, 512
+    q, kv, c, cos, sin, cache, slots = case(T, h, nope, R, C, dtype)
+    want = mla_rope(q, kv, c, cos, sin, cache.clone(), slots)
+    q_abs = torch.full((T, h, C + R), float("nan"), device="cuda").to(dtype)
+    got = mla_rope(q, kv, c, cos, sin, cache, slots, out=q_abs[..., C:])
+    assert got.data_ptr() == q_abs[..., C:].data_ptr()
+    assert torch.equal(q_abs[..., C:], want)
+    assert q_abs[..., :C].isnan().all()
+    ref_abs = torch.full_like(q_abs, float("nan"))
+    mla_rope_ref(q, kv, c, cos, sin, torch.full_like(cache, float("nan")), slots, out=ref_abs[..., C:])
+    assert torch.equal(ref_abs[..., C:], want)

@@ -9,7 +9,7 @@ from model_fixtures import tiny_dir, tiny_model  # noqa: F401 (pytest fixtures)
 
 from kernels.skinny_linear import MAX_ROWS, fits, skinny_linear, skinny_linear_ref
 from verifier_service.int4 import Int4Weight
-from verifier_service.linear import on_kernel
+from verifier_service.linear import on_kernel, project
 from verifier_service.moe import ExpertStack, dense_stack, moe_experts_dense, moe_experts_ref, route
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -79,3 +79,21 @@ def test_dense_moe_through_projections(tiny_model, rows, down_by_row):  # noqa: 
         assert on_kernel(x.cuda(), dense.gate_proj.reshape(-1, cfg.hidden_size), True)  # the projected path runs
         got = moe_experts_dense(x.cuda(), ids.cuda(), weights.cuda(), dense, kernel=True).cpu()
         assert ((got - want).norm() / want.norm()).item() < 1e-5, (lo, hi)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 17, 65])
+def test_project_with_add(M, dtype):
+    """project(x, w, kernel, add) = x wᵀ + add: on the cuBLAS path one call that accumulates into `add`; checked
+    against the fp64 product plus add, rounded once (bf16: within one rounding of the fp32 sum)."""
+    N, K = 7168, 296  # K2.6's split shared-expert down projection on one of 7 ranks
+    x, w = operands(M, N, K, M + 7)
+    add = torch.randn(M, N, device="cuda")
+    x, w, add = x.to(dtype), w.to(dtype), add.to(dtype)
+    want = (x.double() @ w.double().T + add.double())
+    got = project(x, w, True, add.clone())
+    assert got.shape == (M, N) and got.dtype == dtype
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-14  # relative to the magnitude of the terms
+    scale = x.double().abs() @ w.double().abs().T + add.double().abs()
+    assert ((got.double() - want).abs() <= tol * scale).all()
+    assert torch.equal(project(x, w, False, add), torch.nn.functional.linear(x, w) + add)

@@ -19,13 +19,20 @@ def on_kernel(x: torch.Tensor, weight: torch.Tensor, kernel: bool) -> bool:
     return fits(x, weight)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, kernel: bool = False) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]ᵀ -> [T, N] in x's dtype."""
+def project(x: torch.Tensor, weight: torch.Tensor, kernel: bool = False,
+            add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]ᵀ (+ add [T, N]) -> [T, N] in x's dtype. With `kernel` on a GPU the sum is one
+    cuBLAS call that accumulates into `add` (overwritten, returned): one launch, one rounding."""
     if on_kernel(x, weight, kernel):
         from kernels.skinny_linear import skinny_linear
 
-        return skinny_linear(x, weight)
-    return F.linear(x, weight)
+        y = skinny_linear(x, weight)
+        return y if add is None else y + add
+    if add is None:
+        return F.linear(x, weight)
+    if kernel and x.is_cuda and x.dim() == 2:
+        return add.addmm_(x, weight.t())
+    return F.linear(x, weight) + add
 
 
 def fuse_rows(weights, fused: str, first: str, second: str) -> None:

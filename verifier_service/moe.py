@@ -60,17 +60,17 @@ class MoEWeights:
     shared_experts: MLPWeights | None  # [I·n_shared, H] etc.; None when n_shared_experts == 0
 
 
-def mlp(x: torch.Tensor, w: MLPWeights, kernel: bool = False) -> torch.Tensor:
-    """down(silu(gate x) ⊙ up x): [T, H] -> [T, H]. kernel (CUDA): few-row projections by kernels/skinny_linear,
-    the activation by kernels/silu_mul."""
+def mlp(x: torch.Tensor, w: MLPWeights, kernel: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+    """down(silu(gate x) ⊙ up x) (+ add): [T, H] -> [T, H]. kernel (CUDA): few-row projections by
+    kernels/skinny_linear, the activation by kernels/silu_mul, `add` summed in the down projection (`project`)."""
     gate_up = project(x, w.gate_up_proj, kernel)  # [T, 2I]
     if kernel and gate_up.is_cuda:
         from kernels.silu_mul import fits, silu_mul
 
         if fits(gate_up):
-            return project(silu_mul(gate_up), w.down_proj, kernel)
+            return project(silu_mul(gate_up), w.down_proj, kernel, add)
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-    return project(F.silu(gate) * up, w.down_proj, kernel)
+    return project(F.silu(gate) * up, w.down_proj, kernel, add)
 
 
 def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
@@ -219,9 +219,9 @@ def moe_forward(
     if shared is None:
         return all_reduce(routed)
     if shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts:
-        return all_reduce(routed + mlp(x, shared, use_kernel))  # column/row-split shared expert: partial, summed
+        return all_reduce(mlp(x, shared, use_kernel, routed))  # column/row-split shared expert: partial, summed
     # Replicated shared expert: added after the reduce so it is counted once.
-    return all_reduce(routed) + mlp(x, shared, use_kernel)
+    return mlp(x, shared, use_kernel, all_reduce(routed))
 
 
 def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
