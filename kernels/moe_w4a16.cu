@@ -6,14 +6,15 @@
 // while moe_route runs and wait for it at their start; down blocks become resident while gate/up
 // runs, stream their first weight stages, and wait for gate/up only before their first read of act.
 //
-// GEMM tiling: a block owns 16 output rows of one expert (both gate and up rows in mode 0) and all
-// of that expert's tokens; its NW warps split K, and for few active experts the gate/up K is also
+// GEMM tiling: a block owns 16 output rows of one expert (both gate and up rows in mode 0) and one
+// work item's tokens (up to 8*NT of the expert's; an expert with more has one item per 8*NT, in
+// parallel block rows); its NW warps split K, and for few work items the gate/up K is also
 // split over `split` blocks (blockIdx.z) so that every SM streams: each block writes an fp32 partial
 // and the last block of a tile to arrive (atomic counter) sums them in split order and applies SiLU.
 // Each warp streams its K-slice of packed words and scales through a STAGES-deep cp.async ring,
 // reads them with ldmatrix (word t of a row's 16-byte group piece lands in lane 4g+t: exactly the
 // fragment layout below), decodes nibbles to bf16 in registers and runs m16n8k16 tensor-core MMAs
-// with the tokens as the N=8 side. Weight bytes are read once per pass over 8*NT tokens.
+// with the tokens as the N=8 side. Weight bytes are read once per item (from DRAM about once per expert).
 //
 // K permutation: thread (g, t) of a quad holds word t of a 32-input scale group (inputs 8t..8t+7);
 // nibble pairs (i, i+4) become bf16x2 fragments, and the activations get the same permutation
@@ -25,13 +26,16 @@
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
 // Pairs p = t*k + s of the [T, k] routing; local expert e = topk_ids[p] - first, owned iff 0 <= e < E.
-// offsets[E+1]: sorted rows of expert e are offsets[e]..offsets[e+1]-1; order[row] = pair index;
-// active[0..*num_active) = experts with rows, ascending. Row order inside an expert is irrelevant:
-// every token column of the GEMMs is computed independently. Also zeroes counters[0..ncnt) (the
-// gemm kernels' arrival counters). Dynamic smem: 2*E ints. Warp 0 scans the counts 32 experts a step
-// (shuffle prefix sum + ballot compaction) instead of one thread walking all E (3.0 -> 1.9 us, H200).
-extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int E, int* offsets,
-                                     int* order, int* active, int* num_active, int* counters, int ncnt) {
+// offsets[E+1]: sorted rows of expert e are offsets[e]..offsets[e+1]-1; order[row] = pair index.
+// items[0..*num_items): the GEMMs' work items (e, j0), one per `tt` tokens of an expert (experts
+// ascending): the item covers the expert's sorted rows j0 .. min(j0 + tt, count) - 1, and owns one block
+// row of each GEMM grid, so an expert's token passes run in parallel blocks, which read its weights
+// at about the same time (L2 serves all but the first). Row order inside an expert is irrelevant: every
+// token column of the GEMMs is computed independently. Also zeroes counters[0..ncnt) (the gemm
+// kernels' arrival counters). Dynamic smem: 2*E ints. Warp 0 scans the counts 32 experts a step
+// (shuffle prefix sums + ballot compaction) instead of one thread walking all E (3.0 -> 1.9 us, H200).
+extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int E, int tt, int* offsets,
+                                     int* order, int2* items, int* num_items, int* counters, int ncnt) {
   pdl_trigger();  // the gate/up blocks may become resident now; they wait for this grid to finish
   extern __shared__ int cnt[];  // [E] counts, then [E] cursors
   int* cur = cnt + E;
@@ -45,24 +49,21 @@ extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int 
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    int base = 0, nbase = 0;  // rows and active experts before this step's 32
+    int base = 0, ibase = 0;  // rows and work items before this step's 32
     for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane, c = e < E ? cnt[e] : 0;
-      int incl = c;  // inclusive prefix sum of the counts over the step
+      const int e = e0 + lane, c = e < E ? cnt[e] : 0, it = (c + tt - 1) / tt;
+      int incl = c, iincl = it;  // inclusive prefix sums of the counts and the items over the step
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
+        const int v = __shfl_up_sync(0xffffffffu, incl, d), w = __shfl_up_sync(0xffffffffu, iincl, d);
+        if (lane >= d) incl += v, iincl += w;
       }
-      const u32 has = __ballot_sync(0xffffffffu, c > 0);
-      if (e < E) {
-        offsets[e] = cur[e] = base + incl - c;
-        if (c) active[nbase + __popc(has & ((1u << lane) - 1))] = e;
-      }
+      if (e < E) offsets[e] = cur[e] = base + incl - c;
+      for (int j = 0; j < it; ++j) items[ibase + iincl - it + j] = make_int2(e, j * tt);
       base += __shfl_sync(0xffffffffu, incl, 31);
-      nbase += __popc(has);
+      ibase += __shfl_sync(0xffffffffu, iincl, 31);
     }
-    if (lane == 0) offsets[E] = base, *num_active = nbase;
+    if (lane == 0) offsets[E] = base, *num_items = ibase;
   }
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
@@ -261,7 +262,7 @@ __device__ void combine_tile(const float* y, const i64* ids, const float* tw, i6
   }
 }
 
-// Gate/up K split for `na` active experts: the fewest blocks per tile that keep the chip's `slots`
+// Gate/up K split for `na` work items: the fewest blocks per tile that keep the chip's `slots`
 // resident blocks busy, by waves x (chunks per warp + 2 of fixed cost). Same answer in every block.
 __device__ __forceinline__ int pick_split(int na, int tiles, int chunks, int nw, int slots, int smax) {
   int best = 1;
@@ -304,22 +305,23 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 }
 
 // MODE 0: W0/S0 = gate, W1/S1 = up [E, N, K/8] / [E, N, K/32]; B = x [T, K]; out = act bf16 [P, N]
-//         (row = sorted row), act = silu(gate·x) * (up·x). Grid (N/16, min(E, P), smax): blocks with
+//         (row = sorted row), act = silu(gate·x) * (up·x). Grid (N/16, items max, smax): blocks with
 //         z >= split (pick_split, or split_force) exit; for split > 1 they write fp32 partials to
 //         part [smax, P, 2, N] and counters[y * N/16 + x] elects the block that finishes the tile.
 // MODE 1: W0/S0 = down; B = act [P, K]; out = y fp32 [P, N] (row = pair index), unweighted. A tile is
 //         16·DMT rows: each warp streams DMT 16-row pieces of it against the same act fragments (more
-//         bytes in flight per warp for the short K = I). Grid (N/(16·DMT), min(E, P), 1). fuse:
-//         counters[tile] elects the last expert's block of each output tile, which writes its rows of
-//         final_out (combine_tile); with no active expert block (x, 0) does.
-// Both modes: block x owns tile x, its NW warps splitting K, while few experts are active; with more
+//         bytes in flight per warp for the short K = I). Grid (N/(16·DMT), items max, 1). fuse:
+//         counters[tile] elects the last item's block of each output tile, which writes its rows of
+//         final_out (combine_tile); with no work item block (x, 0) does.
+// Both modes: block y works on items[y] (y >= na exit); block x owns tile x, its NW warps splitting K,
+// while there are few items (na); with more
 // (tpb_max > 1 and 2·na·tiles >= slots·tpb_max) it owns tiles tpb·x .. tpb·x + tpb-1, NW/tpb warps
 // each, so every warp streams tpb x the K (longer cp.async streams), and blocks x >= tiles/tpb exit.
 // H200: 4 warps per down tile are best for one expert, 2 for 2-55; gate/up gains from 3 experts.
 // PDL: MODE 0 waits for moe_route before its first read, then (blocks with work) lets MODE 1 be
 // scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0
 // block waited for them before triggering. Every MODE 1 block with work waits before reading act, so
-// MODE 1 completes after MODE 0 (with no active expert MODE 0 writes nothing).
+// MODE 1 completes after MODE 0 (with no work item MODE 0 writes nothing).
 // Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0,
 // N % (16*DMT) == 0.
 // OCC: blocks of 256 threads per SM for the register budget: 2 (128 registers), or 4 (64) for the
@@ -328,15 +330,16 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 // T = 1 (one expert, T = 1 decode at EP 7: the K loop keeps more loads in flight).
 #define GEMM_PARAMS const u32* __restrict__ W0, const u16* __restrict__ S0, const u32* __restrict__ W1,             \
     const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route, int P, const int* offsets,       \
-    const int* order, const int* active, const int* num_active, void* out, float* part, int* counters, int slots,    \
+    const int* order, const int2* items, const int* num_items, void* out, float* part, int* counters, int slots,    \
     int smax, int split_force, const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse,   \
     int tpb_max
-#define GEMM_ARGS W0, S0, W1, S1, B, K, N, k_route, P, offsets, order, active, num_active, out, part, counters,        \
+#define GEMM_ARGS W0, S0, W1, S1, B, K, N, k_route, P, offsets, order, items, num_items, out, part, counters,          \
     slots, smax, split_force, ids, tw, final_out, first, E, T, fuse, tpb_max
 
-// The body of moe_gemm for na active experts, e = active[blockIdx.y].
+// The body of moe_gemm for na work items, (e, j0) = items[blockIdx.y]: expert e's sorted rows j0 ..
+// j0 + 8·NT - 1 (those it has), one weight pass.
 template <int MODE, int NT, int DMT>
-__device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e) {
+__device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
   constexpr int MT = MODE == 0 ? 2 : DMT, RT = MODE == 0 ? 16 : 16 * DMT;  // matrices per warp, rows per tile
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.y, NW = blockDim.y, tiles = N / RT;
@@ -377,43 +380,37 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e) {
   // trips for the tokens (offsets -> order -> x) overlap their DRAM latency.
   wring.init(ring, Wm, Sm, KW, KG, slot, stride);
   wring.prologue(nch);
-  const int off = offsets[e], n_e = offsets[e + 1] - off;
-  for (int p0 = 0; p0 < n_e; p0 += 8 * NT) {
-    if (p0 > 0) {  // another pass over > 8*NT tokens streams the weights again
-      wring.init(ring, Wm, Sm, KW, KG, slot, stride);
-      wring.prologue(nch);
-    }
-    const int ntv = min(NT, (n_e - p0 + 7) / 8);  // n-tiles with at least one real token (warp-uniform)
-    const u16* xr[NT];
+  const int off = offsets[e] + j0, n_e = min(offsets[e + 1] - off, 8 * NT);  // this item's rows
+  const int ntv = min(NT, (n_e + 7) / 8);  // n-tiles with at least one real token (warp-uniform)
+  const u16* xr[NT];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int j = min(p0 + 8 * n + g, n_e - 1);  // clamp: padded columns compute garbage that is never stored
-      xr[n] = B + (i64)(MODE == 0 ? order[off + j] / k_route : off + j) * K + 8 * t + slot * CG * 32;
-    }
-    float acc[MT][NT][4] = {};
-    if (NT > 1 && ntv == 1)
-      warp_gemm<MT, NT, 1, MODE == 1>(wring, xr, stride, nch, acc);
-    else
-      warp_gemm<MT, NT, NT, MODE == 1>(wring, xr, stride, nch, acc);
-    block_sum<MT, NT>(smem, acc, ntv, per, [&](int gi, int n, int l, const float (&v)[MT][4]) {
-      const int r0 = (blockIdx.x * tpb + gi) * RT;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int j = p0 + 8 * n + 2 * (l & 3) + (i & 1), row = r0 + (l >> 2) + 8 * (i >> 1);
-        if (j >= n_e) continue;
-        if constexpr (MODE == 1) {
-#pragma unroll
-          for (int m = 0; m < MT; ++m) reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row + 16 * m] = v[m][i];
-        } else if (split == 1) {
-          const float gate = v[0][i], act = gate / (1.f + __expf(-gate)) * v[MT - 1][i];
-          reinterpret_cast<u16*>(out)[(i64)(off + j) * N + row] = f2bf(act);
-        } else {
-#pragma unroll
-          for (int m = 0; m < MT; ++m) part[(((i64)blockIdx.z * P + off + j) * 2 + m) * N + row] = v[m][i];
-        }
-      }
-    });
+  for (int n = 0; n < NT; ++n) {
+    const int j = min(8 * n + g, n_e - 1);  // clamp: padded columns compute garbage that is never stored
+    xr[n] = B + (i64)(MODE == 0 ? order[off + j] / k_route : off + j) * K + 8 * t + slot * CG * 32;
   }
+  float acc[MT][NT][4] = {};
+  if (NT > 1 && ntv == 1)
+    warp_gemm<MT, NT, 1, MODE == 1>(wring, xr, stride, nch, acc);
+  else
+    warp_gemm<MT, NT, NT, MODE == 1>(wring, xr, stride, nch, acc);
+  block_sum<MT, NT>(smem, acc, ntv, per, [&](int gi, int n, int l, const float (&v)[MT][4]) {
+    const int r0 = (blockIdx.x * tpb + gi) * RT;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 8 * n + 2 * (l & 3) + (i & 1), row = r0 + (l >> 2) + 8 * (i >> 1);
+      if (j >= n_e) continue;
+      if constexpr (MODE == 1) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) reinterpret_cast<float*>(out)[(i64)order[off + j] * N + row + 16 * m] = v[m][i];
+      } else if (split == 1) {
+        const float gate = v[0][i], act = gate / (1.f + __expf(-gate)) * v[MT - 1][i];
+        reinterpret_cast<u16*>(out)[(i64)(off + j) * N + row] = f2bf(act);
+      } else {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) part[(((i64)blockIdx.z * P + off + j) * 2 + m) * N + row] = v[m][i];
+      }
+    }
+  });
   const int tid = warp * 32 + threadIdx.x;
   if (MODE == 0 && split > 1 && arrive_last(&counters[blockIdx.y * tiles + blockIdx.x], split)) {
     for (int idx = tid; idx < n_e * 16; idx += 32 * NW) {  // finish the tile: Σ partials in split order
@@ -444,13 +441,14 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e) {
 template <int MODE, int NT, int OCC, int DMT>
 __global__ void __launch_bounds__(256, OCC) moe_gemm(GEMM_PARAMS) {
   if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
-  // active[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
-  // is an unwritten slot of the [E] list and goes unused.
-  const int na = *num_active, e = active[blockIdx.y];
+  // items[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
+  // is an unwritten slot of the list and goes unused.
+  const int na = *num_items;
+  const int2 item = items[blockIdx.y];
   if (DMT == 0 && na * (N / (32 * tpb_max)) >= slots)
-    gemm_block<MODE, NT, 2>(GEMM_ARGS, na, e);
+    gemm_block<MODE, NT, 2>(GEMM_ARGS, na, item.x, item.y);
   else
-    gemm_block<MODE, NT, DMT == 0 ? 1 : DMT>(GEMM_ARGS, na, e);
+    gemm_block<MODE, NT, DMT == 0 ? 1 : DMT>(GEMM_ARGS, na, item.x, item.y);
 }
 
 // out[t] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]) in slot order; tokens with no local expert get 0.

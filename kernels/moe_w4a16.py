@@ -16,7 +16,9 @@ Pairs routed to experts outside [first, first + E) contribute 0 (expert parallel
 Kernel: fp32 accumulation; gate/up/SiLU in fp32, act rounded to bf16 once; output bf16.
 Requires H % 128 == 0 and I % 128 == 0 (K is streamed in 128-input chunks). Weights stay in the
 checkpoint layout above (no repack): ldmatrix hands each lane its word of a 16-byte group piece.
-Launches: moe_route, gate/up, down (+ combine fused into its last block per 16-row output tile when
+Launches: moe_route (pairs grouped by local expert into work items of up to 8·NT tokens each: an expert
+with more tokens gets several items, which run in parallel block rows and read its weights from DRAM
+about once), gate/up, down (+ combine fused into its last block per 16-row output tile when
 T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. With `PDL` (on by default) gate/up
 and down use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
 gate/up waits for moe_route at its start, down streams its first weight stages before it waits for act.
@@ -101,19 +103,23 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return out.zero_()
     ker = get_kernels(cuda_source(CODE), NAMES)
     dev, P = x.device, T * k
-    blocks_y = min(E, P)
+    nt = 1 if T <= NT1_MAX_T else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
+    # work items (one per 8·nt tokens of an expert): at most one per expert with pairs plus one per 8·nt pairs
+    blocks_y = min(P, min(E, P) + P // (8 * nt))
     smax = max(SPLIT or 1, SPLIT_MAX if P <= SPLIT_MAX_P else 1)
     fuse = T <= FUSE_COMBINE_T
-    ints = torch.empty(2 * (E + 1) + P + blocks_y * (I // 16) + H // 16, dtype=torch.int32, device=dev)
-    offsets, active, order, counters = ints[: E + 1], ints[E + 1: 2 * E + 2], ints[2 * E + 2: 2 * E + 2 + P], \
-        ints[2 * E + 2 + P:]  # active: [E] list, [E] = count; counters: gate/up tiles, then down tiles
+    # items (e, first row) pairs first (8-byte aligned), then offsets, the item count, order, and the arrival
+    # counters (gate/up tiles, then down tiles)
+    ints = torch.empty(2 * blocks_y + E + 2 + P + blocks_y * (I // 16) + H // 16, dtype=torch.int32, device=dev)
+    items, offsets, num_items = ints[: 2 * blocks_y], ints[2 * blocks_y: 2 * blocks_y + E + 1], \
+        ints[2 * blocks_y + E + 1:]
+    order, counters = ints[2 * blocks_y + E + 2: 2 * blocks_y + E + 2 + P], ints[2 * blocks_y + E + 2 + P:]
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
     part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
     first = np.int64(experts.first)
-    launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, offsets, order, active, active[E:],
+    launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, 8 * nt, offsets, order, items, num_items,
            counters, counters.numel(), smem=8 * E)
-    nt = 1 if T <= NT1_MAX_T else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
     slots = 2 * _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
@@ -121,7 +127,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         occ = 4 if mode == 1 and nt == 1 and T > 1 and mt == 1 else 2  # register budget, see the .cu
         launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
-               w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, active, active[E:],
+               w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, items, num_items,
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
                smem=nw * STAGES * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
