@@ -9,6 +9,7 @@ experts outside the range contribute 0 here, so the ranks' routed outputs sum to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,11 @@ from verifier_service.linear import fuse_rows, on_kernel, project
 from verifier_service.model_config import K2Config
 
 ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
+# Rows up to which the routed experts run beside the shared expert on a side stream. H200, 61-layer K2.6
+# verify step, graph ms, side stream / one stream: 1 row 5.88-5.90 / 6.03-6.05; 2 rows 6.55 / 6.38-6.44;
+# 16 rows 8.62 / 8.33-8.46; uniform routing, 16 rows 15.35 / 15.07. With more rows the routed kernels
+# fill the GPU and the shared GEMM only competes with them.
+SIDE_STREAM_MAX_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -63,14 +69,19 @@ class MoEWeights:
 def mlp(x: torch.Tensor, w: MLPWeights, kernel: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
     """down(silu(gate x) ⊙ up x) (+ add): [T, H] -> [T, H]. kernel (CUDA): few-row projections by
     kernels/skinny_linear, the activation by kernels/silu_mul, `add` summed in the down projection (`project`)."""
+    return project(swiglu(x, w, kernel), w.down_proj, kernel, add)
+
+
+def swiglu(x: torch.Tensor, w: MLPWeights, kernel: bool = False) -> torch.Tensor:
+    """silu(gate x) ⊙ up x: [T, H] -> [T, I], the MLP before its down projection."""
     gate_up = project(x, w.gate_up_proj, kernel)  # [T, 2I]
     if kernel and gate_up.is_cuda:
         from kernels.silu_mul import fits, silu_mul
 
         if fits(gate_up):
-            return project(silu_mul(gate_up), w.down_proj, kernel, add)
+            return silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-    return project(F.silu(gate) * up, w.down_proj, kernel, add)
+    return F.silu(gate) * up
 
 
 def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
@@ -203,25 +214,49 @@ def moe_forward(
 
     Routed experts: the INT4 kernel (`use_kernel` and `kernel_fits`) > the sync-free every-expert path
     (`dense` = this layer's `dense_stack`, given by the model when that path is on, and `dense_fits`) >
-    the reference loop (one host sync per call: bincount().tolist())."""
+    the reference loop (one host sync per call: bincount().tolist()).
+    On a GPU with the INT4 kernel and at most SIDE_STREAM_MAX_ROWS rows, the router and routed experts run on
+    a side stream while the shared expert's gate/up and activation run on this one; the shared down
+    projection then adds into the routed sum."""
+    shared = w.shared_experts
+    if shared is None:
+        return all_reduce(routed_experts(x, w, cfg, on_experts, use_kernel, dense))
+    if use_kernel and x.shape[0] <= SIDE_STREAM_MAX_ROWS and kernel_fits(x, w.experts):
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(main)
+        act = swiglu(x, shared, use_kernel)  # [T, I_shared], beside the router and routed experts
+        with torch.cuda.stream(side):
+            routed = routed_experts(x, w, cfg, on_experts, use_kernel, dense)
+        main.wait_stream(side)
+    else:
+        act, routed = swiglu(x, shared, use_kernel), routed_experts(x, w, cfg, on_experts, use_kernel, dense)
+    if shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts:
+        return all_reduce(project(act, shared.down_proj, use_kernel, routed))  # split shared expert: partial
+    # Replicated shared expert: added after the reduce so it is counted once.
+    return project(act, shared.down_proj, use_kernel, all_reduce(routed))
+
+
+def routed_experts(x: torch.Tensor, w: MoEWeights, cfg: K2Config, on_experts: Callable[[torch.Tensor], None] | None,
+                   use_kernel: bool, dense: ExpertStack | None) -> torch.Tensor:
+    """Router and this rank's routed experts: x [T, H] -> Σ_k w·expert(x) over local experts [T, H] (see
+    `moe_forward` for the paths)."""
     topk_ids, topk_weights = route(x, w, cfg, use_kernel)
     if on_experts is not None:
         on_experts(topk_ids)
     if use_kernel and kernel_fits(x, w.experts):
         from kernels.moe_w4a16 import moe_w4a16
 
-        routed = moe_w4a16(x, topk_ids, topk_weights, w.experts)
-    elif dense is not None and dense_fits(x.shape[0], dense):
-        routed = moe_experts_dense(x, topk_ids, topk_weights, dense, use_kernel)
-    else:
-        routed = moe_experts_ref(x, topk_ids, topk_weights, w.experts)
-    shared = w.shared_experts
-    if shared is None:
-        return all_reduce(routed)
-    if shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts:
-        return all_reduce(mlp(x, shared, use_kernel, routed))  # column/row-split shared expert: partial, summed
-    # Replicated shared expert: added after the reduce so it is counted once.
-    return mlp(x, shared, use_kernel, all_reduce(routed))
+        return moe_w4a16(x, topk_ids, topk_weights, w.experts)
+    if dense is not None and dense_fits(x.shape[0], dense):
+        return moe_experts_dense(x, topk_ids, topk_weights, dense, use_kernel)
+    return moe_experts_ref(x, topk_ids, topk_weights, w.experts)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the routed experts (captured into the same CUDA graphs: it forks from
+    and joins the capturing stream within each MoE layer)."""
+    return torch.cuda.Stream(device)
 
 
 def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
