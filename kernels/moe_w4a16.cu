@@ -314,9 +314,9 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 //         counters[tile] elects the last item's block of each output tile, which writes its rows of
 //         final_out (combine_tile); with no work item block (x, 0) does.
 // Both modes: block y works on items[y] (y >= na exit); block x owns tile x, its NW warps splitting K,
-// while there are few items (na); with more
-// (tpb_max > 1 and 2·na·tiles >= slots·tpb_max) it owns tiles tpb·x .. tpb·x + tpb-1, NW/tpb warps
-// each, so every warp streams tpb x the K (longer cp.async streams), and blocks x >= tiles/tpb exit.
+// while there are few items (na); with more (tpb_max > 1 and 2·na·tiles >= slots·tpb_max) it owns tiles
+// tpb·x .. tpb·x + tpb-1, NW/tpb warps each, so every warp streams tpb x the K (longer cp.async streams),
+// and blocks x >= tiles/tpb exit.
 // H200: 4 warps per down tile are best for one expert, 2 for 2-55; gate/up gains from 3 experts.
 // PDL: MODE 0 waits for moe_route before its first read, then (blocks with work) lets MODE 1 be
 // scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0

@@ -110,10 +110,8 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     fuse = T <= FUSE_COMBINE_T
     # items (e, first row) pairs first (8-byte aligned), then offsets, the item count, order, and the arrival
     # counters (gate/up tiles, then down tiles)
-    ints = torch.empty(2 * blocks_y + E + 2 + P + blocks_y * (I // 16) + H // 16, dtype=torch.int32, device=dev)
-    items, offsets, num_items = ints[: 2 * blocks_y], ints[2 * blocks_y: 2 * blocks_y + E + 1], \
-        ints[2 * blocks_y + E + 1:]
-    order, counters = ints[2 * blocks_y + E + 2: 2 * blocks_y + E + 2 + P], ints[2 * blocks_y + E + 2 + P:]
+    sizes = (2 * blocks_y, E + 1, 1, P, blocks_y * (I // 16) + H // 16)
+    items, offsets, num_items, order, counters = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
     y = torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
     part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
