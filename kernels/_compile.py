@@ -156,24 +156,26 @@ def _current_stream():
 
 
 @functools.lru_cache(maxsize=1024)
-def _config(grid, block, smem: int, pdl: bool):
+def _config(grid, block, smem: int, pdl: bool, cluster):
     from cuda.core import LaunchConfig
 
-    return LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl)
+    return LaunchConfig(grid=grid, cluster=cluster, block=block, shmem_size=smem,
+                        programmatic_stream_serialization=pdl)
 
 
-def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False) -> None:
+def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False, cluster: int | None = None) -> None:
     """Launch on torch's current stream. Tensors pass as device pointers, Python ints as int32,
     floats as float32, numpy scalars as themselves (use np.int64 etc. for other widths).
     pdl: programmatic dependent launch (sm_90+): the kernel may start while the previous one on the
     stream still runs, and must `griddepcontrol.wait` before reading what that one writes; CUDA graph
-    capture keeps it as a programmatic edge."""
+    capture keeps it as a programmatic edge.
+    cluster: blocks per thread-block cluster along x (sm_90+); `grid` then counts clusters, not blocks."""
     import torch
     from cuda.core import launch as cuda_launch
 
     if smem > 48 * 1024:
         _allow_smem(kernel, smem, torch.cuda.current_device())
-    cuda_launch(_current_stream(), _config(grid, block, smem, pdl), kernel, *map(_arg, args))
+    cuda_launch(_current_stream(), _config(grid, block, smem, pdl, cluster), kernel, *map(_arg, args))
     if os.environ.get("DDTREE_KERNEL_SYNC") == "1" and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()  # raises on an asynchronous fault of this launch
 

@@ -316,6 +316,31 @@ def bench_linear(copy_bw: float) -> list[dict]:
     return rows
 
 
+# (N, K) of K2.6's dense bf16 projections on rank 0 of 7: qkv_a (replicated), q_b and o_proj (10 heads), the
+# shared expert's gate/up and down (296 of 2048), layer 0's dense gate/up (2632 of 18432), lm_head (23408 rows).
+GEMM_CASES = ((2112, 7168), (1920, 1536), (7168, 1280), (592, 7168), (7168, 296), (5264, 7168), (23408, 7168))
+
+
+def bench_linear_bf16(copy_bw: float) -> list[dict]:
+    """skinny_gemm against F.linear (cuBLAS) at 1-64 bf16 rows; bytes = weight + x + y. The calls rotate over
+    enough weight copies (>= 256 MB) that every weight comes from HBM, as in a 61-layer step."""
+    import torch.nn.functional as F
+
+    from kernels.skinny_gemm import pick_config, skinny_gemm
+
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K in GEMM_CASES:
+        ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(max(2, -(-(256 << 20) // (2 * N * K))))]
+        for M in (1, 8, 16, 32, 64):
+            xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(len(ws))]
+            t = gpu_time([lambda x=x, w=w: skinny_gemm(x, w) for x, w in zip(xs, ws)])
+            t_ref = gpu_time([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)])
+            nbytes = (N * K + M * K + M * N) * 2
+            case = f"bf16 rows={M} N={N} K={K} {pick_config(N, K, sms)}"
+            rows.append(result_row("skinny_gemm", case, t, nbytes, copy_bw, t_ref))
+    return rows
+
+
 def main(preset: str = "k26", out: str | None = None, only: str | None = None) -> int:
     assert preset == "k26" and torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
@@ -324,7 +349,7 @@ def main(preset: str = "k26", out: str | None = None, only: str | None = None) -
     rows = []
     from kernels.bench_drafter import bench_ddtree, bench_dflash
 
-    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_ddtree, bench_dflash):
+    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_linear_bf16, bench_ddtree, bench_dflash):
         if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree / dflash
             rows += bench(bw)
     print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "

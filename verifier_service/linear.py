@@ -1,6 +1,7 @@
-"""Dense projections: F.linear, or kernels/skinny_linear for the few rows of a decode or tree-verify step on
-a GPU (`kernel`: the model's kernel flag). The kernel computes each row the same way whatever the row count,
-so a tree's root row matches a one-row decode step bit for bit (kernels/skinny_linear.py says why it exists).
+"""Dense projections: F.linear, or a few-row kernel for the rows of a decode or tree-verify step on a GPU
+(`kernel`: the model's kernel flag): kernels/skinny_linear in fp32 (the tiny pair), kernels/skinny_gemm in bf16
+(K2.6). Both compute each row the same way whatever the row count, so a tree's root row matches a one-row
+decode step bit for bit (kernels/skinny_linear.py and skinny_gemm.py say why they exist).
 """
 
 from __future__ import annotations
@@ -10,20 +11,24 @@ import torch.nn.functional as F
 
 
 def on_kernel(x: torch.Tensor, weight: torch.Tensor, kernel: bool) -> bool:
-    """Whether `project(x, weight, kernel)` runs kernels/skinny_linear (imported only on a GPU: CPU-only
-    installs never load kernels)."""
+    """Whether `project(x, weight, kernel)` runs a few-row kernel (else F.linear / cuBLAS). The kernels are
+    imported only on a GPU: CPU-only installs never load them."""
     if not (kernel and x.is_cuda):
         return False
-    from kernels.skinny_linear import fits
+    from kernels import skinny_gemm, skinny_linear
 
-    return fits(x, weight)
+    return skinny_linear.fits(x, weight) or skinny_gemm.fits(x, weight)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, kernel: bool = False,
             add: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]ᵀ (+ add [T, N]) -> [T, N] in x's dtype. With `kernel` on a GPU the sum is one
-    cuBLAS call that accumulates into `add` (overwritten, returned): one launch, one rounding."""
+    """x [T, K] @ weight [N, K]ᵀ (+ add [T, N]) -> [T, N] in x's dtype. With `kernel` on a GPU a bf16 sum is one
+    launch that accumulates into `add` (overwritten, returned): skinny_gemm, or cuBLAS past its rows."""
     if on_kernel(x, weight, kernel):
+        if x.dtype == torch.bfloat16:  # the two kernels' fits() split by dtype
+            from kernels.skinny_gemm import skinny_gemm
+
+            return skinny_gemm(x, weight, None if add is None else add.contiguous())
         from kernels.skinny_linear import skinny_linear
 
         y = skinny_linear(x, weight)

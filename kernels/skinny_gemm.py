@@ -1,0 +1,89 @@
+"""bf16 y = x Wᵀ (+ add) for the few rows of a decode or tree-verify step, on tensor cores, one launch.
+
+    skinny_gemm(x, weight, add=None) -> y   (written into `add` when given)
+
+x       [M, K] bf16, M <= MAX_ROWS, rows 4-byte aligned (any row stride), K % 8 == 0
+weight  [N, K] bf16 contiguous, 16-byte aligned (nn.Linear's layout)
+add     [M, N] bf16 contiguous or None: y = bf16(x Wᵀ + add) with one rounding (cuBLAS's beta = 1)
+y       [M, N] bf16
+
+Why: at 1-16 rows every dense projection of a K2.6 layer is a weight stream (~70 MB a layer and rank), and
+cuBLAS took ~44 us a layer for ~17 us of bytes (H200, session 15 profile): per-call fixed costs and
+split-K GEMM kernels sized for larger M. Here each 16-row weight tile is split over a cluster of blocks
+along K, summed through distributed shared memory in a fixed order, in one launch (kernels/skinny_gemm.cu).
+The split is chosen from (N, K) only, so every row gets the same bits whatever M is (batch invariance).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from kernels._compile import cuda_source, get_kernels, launch
+
+CODE = "skinny_gemm.cu"
+MAX_NT = 8  # token tiles of 8
+NAMES = tuple(f"skinny_gemm<{nt}>" for nt in range(1, MAX_NT + 1))
+MAX_ROWS = 8 * MAX_NT
+STAGES, CHUNK, STAGE_BYTES = 4, 64, 2048  # must match the .cu (SG_STAGES, SG_CHUNK, 16 rows x 128 B)
+PDL = True  # the weight stages are issued before the wait for the previous kernel
+CONFIG: tuple[int, int] | None = None  # force (warps, cluster size) (tests, benches); None: `pick_config`
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_gemm takes these operands (else use F.linear)."""
+    return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
+            and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+
+
+@functools.cache
+def pick_config(n: int, k: int, sms: int) -> tuple[int, int]:
+    """(warps per block, blocks per cluster) for an [n, k] weight: the fewest waves of resident blocks x
+    (chunks per warp + a fixed cost of 3 chunks), every warp with at least one chunk. Blocks of 4 warps fit 4
+    per SM (128 registers), of 8 warps 2."""
+    tiles, chunks = -(-n // 16), -(-k // CHUNK)
+    best, best_cost = (4, 1), float("inf")
+    for warps in (4, 8):
+        for cs in (1, 2, 4, 8):
+            if warps * cs > max(chunks, 4):
+                continue
+            waves = -(-tiles * cs // (sms * 16 // warps))
+            cost = waves * (-(-chunks // (warps * cs)) + 3)
+            if cost < best_cost:
+                best, best_cost = (warps, cs), cost
+    return best
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    assert fits(x, weight), (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, weight.dtype)
+    M, K = x.shape
+    N = weight.shape[0]
+    if add is None:
+        out = x.new_empty(M, N)
+    else:
+        assert add.dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), (add.shape, add.dtype)
+        out = add
+    warps, cs = CONFIG or pick_config(N, K, _sm_count(x.device.index))
+    nt = -(-M // 8)
+    ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}>"]
+    smem = warps * STAGES * STAGE_BYTES + nt * 512
+    launch(ker, -(-N // 16), (32, warps), x, x.stride(0), weight, np.uint64(0) if add is None else add, out, M, N, K, cs,
+           smem=smem, pdl=PDL, cluster=cs)
+    return out
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 product (+ add), rounded once to bf16: the kernel differs only by its fp32 sums."""
+    y = x.double() @ weight.double().T
+    if add is not None:
+        y += add.double()
+    return y.to(x.dtype)

@@ -1,0 +1,124 @@
+"""GPU: kernels/skinny_gemm (bf16 few-row projections) against the exact product (fp64) and against itself
+across batch sizes, cluster splits, graphs and programmatic dependent launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import skinny_gemm as sg
+from kernels.skinny_gemm import MAX_ROWS, fits, pick_config, skinny_gemm, skinny_gemm_ref
+from verifier_service.linear import on_kernel, project
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _sync_every_launch(monkeypatch):
+    monkeypatch.setenv("DDTREE_KERNEL_SYNC", "1")  # a device fault fails the launching test
+
+
+def operands(M: int, N: int, K: int, seed: int, ldx: int | None = None):
+    """x [M, K] (a view with row stride ldx when given), w [N, K], add [M, N]; bf16, outputs of order 1."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(M, ldx or K, generator=g, device="cuda").bfloat16()[:, :K]
+    w = (torch.randn(N, K, generator=g, device="cuda") / K**0.5).bfloat16()
+    return x, w, torch.randn(M, N, generator=g, device="cuda").bfloat16()
+
+
+def assert_close(got: torch.Tensor, x, w, add=None) -> None:
+    """Against the exact sum: one bf16 rounding (2^-8 of the value, half an ulp with margin) plus the fp32
+    summation error of K products (2^-18 of Σ|x w|, generous). A dropped or doubled 64-input chunk moves an
+    output by ~8/sqrt(K) of its size, far beyond either."""
+    exact = x.double() @ w.double().T + (0 if add is None else add.double())
+    bound = exact.abs() * 2**-8 + (x.double().abs() @ w.double().abs().T) * 2**-18
+    err = (got.double() - exact).abs()
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert (err <= bound).all(), f"worst excess {float((err - bound).max()):.3g} at {int((err - bound).argmax())}"
+
+
+# K2.6 rank-0 shapes (qkv_a, q_b, o_proj, shared gate/up, shared down) and odd ones: N not a multiple of 16,
+# K not a multiple of the 64-input chunk, a single chunk, every token-tile count.
+@pytest.mark.parametrize("M, N, K", [(1, 2112, 7168), (3, 1920, 1536), (17, 7168, 1280), (63, 592, 7168),
+                                     (64, 7168, 296), (8, 17, 72), (9, 1, 8), (33, 100, 200), (40, 48, 4104),
+                                     (57, 24, 64), (2, 40, 136)])
+def test_skinny_gemm(M, N, K):
+    x, w, add = operands(M, N, K, M * 1000 + N + K)
+    torch.full((64 << 20,), float("nan"), device="cuda")  # leave NaN in the allocator: unwritten y shows up
+    got = skinny_gemm(x.contiguous(), w)
+    assert got.shape == (M, N)
+    assert_close(got, x, w)
+    ref = skinny_gemm_ref(x, w)
+    assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-3).all()  # the reference agrees
+
+
+@pytest.mark.parametrize("config", [(4, 1), (4, 2), (8, 2), (4, 4), (8, 4), (4, 8), (8, 8)])
+def test_skinny_gemm_every_split(config, monkeypatch):
+    """Each (warps, cluster size) sums all of K once, with add, a strided x, and more warp slots than chunks."""
+    monkeypatch.setattr(sg, "CONFIG", config)
+    for M, N, K in ((5, 592, 7168), (16, 48, 296), (1, 32, 64)):
+        x, w, add = operands(M, N, K, sum(config) + K, ldx=K + 8)
+        assert not x.is_contiguous() and fits(x, w)
+        out = add.clone()
+        got = skinny_gemm(x, w, out)
+        assert got.data_ptr() == out.data_ptr()  # accumulated in place
+        assert_close(got, x, w, add)
+
+
+def test_skinny_gemm_row_does_not_depend_on_its_batch():
+    """Every row alone, and inside batches of 9, 33 and 64 rows, gives the same bits: a tree verify's rows project
+    exactly as a one-row decode step does (the split depends on N and K only)."""
+    x, w, add = operands(64, 600, 7168, 11)
+    x = x.contiguous()
+    full = skinny_gemm(x[:33], w)
+    for r in (0, 7, 8, 20, 32):
+        assert torch.equal(skinny_gemm(x[r: r + 1], w)[0], full[r]), r
+    assert torch.equal(skinny_gemm(x[24:33], w), full[24:33])
+    assert torch.equal(skinny_gemm(x, w)[:33], full)
+    assert torch.equal(skinny_gemm(x[5:6], w, add[5:6].clone()), skinny_gemm(x[:9], w, add[:9].clone())[5:6])
+
+
+def test_skinny_gemm_chain_in_a_graph():
+    """Back-to-back launches (each reads the previous one's output after its griddepcontrol.wait), eager and
+    replayed from a CUDA graph: the same bits, and the graph follows new inputs."""
+    x, w1, _ = operands(4, 2048, 7168, 1)
+    _, w2, add = operands(4, 7168, 2048, 2)
+    x = x.contiguous()
+
+    def chain(x):
+        return skinny_gemm(skinny_gemm(x, w1), w2, add.clone())
+
+    want = chain(x)
+    assert_close(want, skinny_gemm(x, w1), w2, add)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x)
+    graph.replay()
+    assert torch.equal(static_out, want)
+    x2 = operands(4, 2048, 7168, 3)[0].contiguous()
+    static_x.copy_(x2)
+    graph.replay()
+    assert torch.equal(static_out, chain(x2))
+
+
+def test_skinny_gemm_fits_and_project():
+    """What the model's projection falls back to cuBLAS for; project() routes bf16 few-row products here."""
+    x, w, add = operands(MAX_ROWS, 64, 128, 5)
+    x = x.contiguous()
+    assert fits(x, w) and on_kernel(x, w, True) and not on_kernel(x, w, False)
+    assert not fits(torch.cat([x, x[:1]]), w)  # too many rows
+    assert not fits(x[:, :120].contiguous(), w[:, :120].contiguous().t().contiguous().t())  # strided weight
+    assert not fits(x[:, :124].contiguous(), w[:, :124].contiguous())  # K % 8
+    assert not fits(x.float(), w.float()) and not fits(x, w.float()) and not fits(x.cpu(), w.cpu())
+    assert not fits(x[:, 1:121], w[:, :120].contiguous())  # x rows not 4-byte aligned
+    out = project(x[:3], w, True, add[:3].clone())
+    assert_close(out, x[:3], w, add[:3])
+
+
+def test_pick_config_depends_on_shape_only():
+    """The split comes from (N, K, SMs); every warp of a cluster has a chunk where K allows it."""
+    for n, k in ((2112, 7168), (1920, 1536), (7168, 1280), (592, 7168), (7168, 296), (16, 8)):
+        warps, cs = pick_config(n, k, 132)
+        assert warps in (4, 8) and cs in (1, 2, 4, 8)
+        assert warps * cs <= max(-(-k // 64), 4)
