@@ -196,11 +196,17 @@ def _arg(a):
     raise TypeError(f"unsupported kernel argument {type(a)}")
 
 
-@functools.cache
+# (kernel, device) -> the dynamic shared memory it is allowed now. The attribute is one maximum per kernel, so it
+# only ever grows: setting it per launch size would let a smaller launch revoke a larger size that is cached.
+_SMEM_ALLOWED: dict = {}
+
+
 def _allow_smem(kernel, nbytes: int, device: int) -> None:
-    """Opt in to more than 48 KB of dynamic shared memory (once per kernel and size)."""
+    """Opt in to more than 48 KB of dynamic shared memory (once per kernel, raised as larger sizes come)."""
     from cuda.bindings import driver
 
+    if _SMEM_ALLOWED.get((kernel, device), 0) >= nbytes:
+        return
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     handle = kernel.handle
     if isinstance(handle, driver.CUkernel):
@@ -208,6 +214,7 @@ def _allow_smem(kernel, nbytes: int, device: int) -> None:
     else:
         (err,) = driver.cuFuncSetAttribute(handle, attr, nbytes)
     _check(err)
+    _SMEM_ALLOWED[kernel, device] = nbytes
 
 
 def _check(err) -> None:

@@ -2,7 +2,7 @@
 
     skinny_gemm(x, weight, add=None) -> y   (written into `add` when given)
 
-x       [M, K] bf16, M <= MAX_ROWS, rows 4-byte aligned (any row stride), K % 8 == 0
+x       [M, K] bf16, M <= MAX_ROWS, rows 16-byte aligned (any such row stride), K % 8 == 0
 weight  [N, K] bf16 contiguous, 16-byte aligned (nn.Linear's layout)
 add     [M, N] bf16 contiguous or None: y = bf16(x Wᵀ + add) with one rounding (cuBLAS's beta = 1)
 y       [M, N] bf16
@@ -24,10 +24,10 @@ import torch
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = "skinny_gemm.cu"
-MAX_NT = 8  # token tiles of 8
+MAX_NT = 2  # token tiles of 8 (beyond 16 rows cuBLAS's GEMMs win: kernels/bench.py, BENCHMARKS.md)
 NAMES = tuple(f"skinny_gemm<{nt}>" for nt in range(1, MAX_NT + 1))
 MAX_ROWS = 8 * MAX_NT
-STAGES, CHUNK, STAGE_BYTES = 4, 64, 2048  # must match the .cu (SG_STAGES, SG_CHUNK, 16 rows x 128 B)
+STAGES, CHUNK = 4, 64  # must match the .cu (SG_STAGES, SG_CHUNK)
 PDL = True  # the weight stages are issued before the wait for the previous kernel
 CONFIG: tuple[int, int] | None = None  # force (warps, cluster size) (tests, benches); None: `pick_config`
 
@@ -36,26 +36,24 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_gemm takes these operands (else use F.linear)."""
     return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
             and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
-            and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 
 
 @functools.cache
 def pick_config(n: int, k: int, sms: int) -> tuple[int, int]:
-    """(warps per block, blocks per cluster) for an [n, k] weight: the fewest waves of resident blocks x
-    (chunks per warp + a fixed cost of 3 chunks), every warp with at least one chunk. Blocks of 4 warps fit 4
-    per SM (128 registers), of 8 warps 2."""
+    """(warps per block, blocks per cluster) for an [n, k] weight, fitted to H200 sweeps (BENCHMARKS.md): with at
+    least two 16-row tiles per SM, 2-warp blocks (up to 6-9 resident per SM, each streaming its whole K);
+    otherwise 8-warp blocks, doubling the cluster until the blocks cover half the SMs (no warp without a chunk).
+    Depends on the weight's shape only, never on the rows (batch invariance)."""
     tiles, chunks = -(-n // 16), -(-k // CHUNK)
-    best, best_cost = (4, 1), float("inf")
-    for warps in (4, 8):
-        for cs in (1, 2, 4, 8):
-            if warps * cs > max(chunks, 4):
-                continue
-            waves = -(-tiles * cs // (sms * 16 // warps))
-            cost = waves * (-(-chunks // (warps * cs)) + 3)
-            if cost < best_cost:
-                best, best_cost = (warps, cs), cost
-    return best
+    if tiles >= 2 * sms:
+        return 2, 1
+    warps = max(2, min(8, chunks))
+    cs = 1
+    while tiles * cs < sms // 2 and cs < 8 and warps * cs * 2 <= chunks:
+        cs *= 2
+    return warps, cs
 
 
 @functools.cache
@@ -75,7 +73,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
     warps, cs = CONFIG or pick_config(N, K, _sm_count(x.device.index))
     nt = -(-M // 8)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}>"]
-    smem = warps * STAGES * STAGE_BYTES + nt * 512
+    smem = warps * STAGES * (16 + 8 * nt) * 128 + nt * 512  # the ring (weight + token rows) + block sums
     launch(ker, -(-N // 16), (32, warps), x, x.stride(0), weight, np.uint64(0) if add is None else add, out, M, N, K, cs,
            smem=smem, pdl=PDL, cluster=cs)
     return out
