@@ -183,7 +183,7 @@ def moe_experts_dense(
     combine = (hit * topk_weights[..., None]).sum(1)  # fp32 [T, E]; ids are distinct per token
     d = dense_stack(experts, x.dtype)
     gate, up, down = d.gate_proj, d.up_proj, d.down_proj  # [E, I, H], [E, I, H], [E, H, I]
-    if on_kernel(x, gate.reshape(-1, gate.shape[-1]), kernel):
+    if x.dtype == torch.float32 and on_kernel(x, gate.reshape(-1, gate.shape[-1]), kernel):  # fp32 (combine) act
         return _experts_projected(x, combine, gate, up, down)
     act = F.silu(torch.matmul(x, gate.transpose(1, 2))) * torch.matmul(x, up.transpose(1, 2))  # [E, T, I]
     y = torch.matmul(act, down.transpose(1, 2))  # [E, T, H]
