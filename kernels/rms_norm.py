@@ -65,6 +65,7 @@ __device__ __forceinline__ float inv_rms(float ss, float* part, int D, float eps
 template <typename T>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ cos,
                          const T* __restrict__ sin, T* __restrict__ out, int N, int D, int heads, float eps) {
+  pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
   const T* xr = x + (i64)row * D;
@@ -99,6 +100,7 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
 template <typename T, int MAXV>
 __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delta, const T* __restrict__ w,
                              T* __restrict__ out, T* __restrict__ h_out, int D, int ld, float eps) {
+  pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, nv = D / VW;

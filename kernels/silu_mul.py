@@ -26,6 +26,7 @@ __device__ __forceinline__ float rnd(float v, const u16*) { return bf2f(f2bf(v))
 // gate, of up and of act) when I·sizeof(T) is a multiple of 16, else VW = 1 (the scalar template).
 template <typename T, int VW>
 __global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int I) {
+  pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
   const int t = blockIdx.x, i = VW * (blockIdx.y * blockDim.x + threadIdx.x);
   if (i >= I) return;
   const T* g = gu + (i64)t * 2 * I + i;
