@@ -322,21 +322,21 @@ GEMM_CASES = ((2112, 7168), (1920, 1536), (7168, 1280), (592, 7168), (7168, 296)
 
 
 def bench_linear_bf16(copy_bw: float) -> list[dict]:
-    """skinny_gemm against F.linear (cuBLAS) at 1-16 bf16 rows; bytes = weight + x + y. The calls rotate over
+    """skinny_gemm against F.linear (cuBLAS) at 1-32 bf16 rows; bytes = weight + x + y. The calls rotate over
     enough weight copies (>= 256 MB) that every weight comes from HBM, as in a 61-layer step."""
     import torch.nn.functional as F
 
-    from kernels.skinny_gemm import pick_config, skinny_gemm
+    from kernels.skinny_gemm import _device_limits, pick_config, skinny_gemm
 
-    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    rows, limits = [], _device_limits(torch.cuda.current_device())
     for N, K in GEMM_CASES:
         ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(max(2, -(-(256 << 20) // (2 * N * K))))]
-        for M in (1, 4, 8, 16):
+        for M in (1, 8, 16, 24, 32):
             xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(len(ws))]
             t = gpu_time([lambda x=x, w=w: skinny_gemm(x, w) for x, w in zip(xs, ws)])
             t_ref = gpu_time([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)])
             nbytes = (N * K + M * K + M * N) * 2
-            case = f"bf16 rows={M} N={N} K={K} {pick_config(N, K, sms)}"
+            case = f"bf16 rows={M} N={N} K={K} {pick_config(N, K, *limits)}"
             rows.append(result_row("skinny_gemm", case, t, nbytes, copy_bw, t_ref))
     return rows
 

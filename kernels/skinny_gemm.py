@@ -24,7 +24,7 @@ import torch
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = "skinny_gemm.cu"
-MAX_NT = 2  # token tiles of 8 (beyond 16 rows cuBLAS's GEMMs win: kernels/bench.py, BENCHMARKS.md)
+MAX_NT = 4  # token tiles of 8: up to 32 rows (`max_rows`; beyond, cuBLAS's GEMMs win: BENCHMARKS.md)
 NAMES = tuple(f"skinny_gemm<{nt}>" for nt in range(1, MAX_NT + 1))
 MAX_ROWS = 8 * MAX_NT
 STAGES, CHUNK = 4, 64  # must match the .cu (SG_STAGES, SG_CHUNK)
@@ -35,21 +35,38 @@ CONFIG: tuple[int, int] | None = None  # force (warps, cluster size) (tests, ben
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_gemm takes these operands (else use F.linear)."""
     return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
-            and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and 0 < x.shape[0] <= max_rows(weight.shape[0], _device_limits(x.device.index)[0])
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
             and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 
 
+def max_rows(n: int, sms: int) -> int:
+    """Most rows the kernel takes for a weight of n rows: MAX_ROWS where its 16-row tiles are fewer than two per
+    SM (8-warp blocks); 16 where they are more (2-warp blocks: K2.6's o_proj, shared down, lm_head), as from 17
+    rows cuBLAS is faster there (H200: 24 rows, o_proj 8.9 against 7.6 us, lm_head 118 against 83 us)."""
+    return MAX_ROWS if -(-n // 16) < 2 * sms else min(16, MAX_ROWS)
+
+
+def smem_bytes(warps: int, nt: int) -> int:
+    """Dynamic shared memory of one block: its warps' rings (16 weight rows + 8·nt token rows of 128 B a stage)
+    + the block sums."""
+    return warps * STAGES * (16 + 8 * nt) * 128 + nt * 512
+
+
 @functools.cache
-def pick_config(n: int, k: int, sms: int) -> tuple[int, int]:
+def pick_config(n: int, k: int, sms: int, smem_max: int = 227 << 10) -> tuple[int, int]:
     """(warps per block, blocks per cluster) for an [n, k] weight, fitted to H200 sweeps (BENCHMARKS.md): with at
-    least two 16-row tiles per SM, 2-warp blocks (up to 6-9 resident per SM, each streaming its whole K);
-    otherwise 8-warp blocks, doubling the cluster until the blocks cover half the SMs (no warp without a chunk).
-    Depends on the weight's shape only, never on the rows (batch invariance)."""
+    least two 16-row tiles per SM, 2-warp blocks (up to 4-9 resident per SM, each streaming its whole K);
+    otherwise 8-warp blocks (fewer where a block of MAX_ROWS would not fit `smem_max`, the device's opt-in
+    limit: 99 KB on sm_120), doubling the cluster until the blocks cover half the SMs, no warp without a
+    chunk. Depends on the weight's shape and the device only, never on the rows (batch invariance)."""
     tiles, chunks = -(-n // 16), -(-k // CHUNK)
     if tiles >= 2 * sms:
         return 2, 1
     warps = max(2, min(8, chunks))
+    while warps > 1 and smem_bytes(warps, MAX_NT) > smem_max:
+        warps -= 1
     cs = 1
     while tiles * cs < sms // 2 and cs < 8 and warps * cs * 2 <= chunks:
         cs *= 2
@@ -57,8 +74,10 @@ def pick_config(n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _device_limits(index: int) -> tuple[int, int]:
+    """(SMs, opt-in shared memory per block in bytes) of a device."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,12 +89,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
     else:
         assert add.dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), (add.shape, add.dtype)
         out = add
-    warps, cs = CONFIG or pick_config(N, K, _sm_count(x.device.index))
+    warps, cs = CONFIG or pick_config(N, K, *_device_limits(x.device.index))
     nt = -(-M // 8)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}>"]
-    smem = warps * STAGES * (16 + 8 * nt) * 128 + nt * 512  # the ring (weight + token rows) + block sums
     launch(ker, -(-N // 16), (32, warps), x, x.stride(0), weight, np.uint64(0) if add is None else add, out, M, N, K, cs,
-           smem=smem, pdl=PDL, cluster=cs)
+           smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 
 

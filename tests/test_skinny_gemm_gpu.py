@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import skinny_gemm as sg
-from kernels.skinny_gemm import MAX_ROWS, fits, pick_config, skinny_gemm, skinny_gemm_ref
+from kernels.skinny_gemm import MAX_ROWS, fits, pick_config, skinny_gemm, skinny_gemm_ref, smem_bytes
 from verifier_service.linear import on_kernel, project
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -41,7 +41,7 @@ def assert_close(got: torch.Tensor, x, w, add=None) -> None:
 # K not a multiple of the 64-input chunk, a single chunk, every token-tile count.
 @pytest.mark.parametrize("M, N, K", [(1, 2112, 7168), (3, 1920, 1536), (16, 7168, 1280), (13, 592, 7168),
                                      (9, 7168, 296), (8, 17, 72), (9, 1, 8), (15, 100, 200), (11, 48, 4104),
-                                     (16, 24, 64), (2, 40, 136)])
+                                     (16, 24, 64), (2, 40, 136), (25, 592, 7168), (32, 1920, 1280), (21, 2112, 7168)])
 def test_skinny_gemm(M, N, K):
     x, w, add = operands(M, N, K, M * 1000 + N + K)
     torch.full((64 << 20,), float("nan"), device="cuda")  # leave NaN in the allocator: unwritten y shows up
@@ -108,6 +108,9 @@ def test_skinny_gemm_fits_and_project():
     x = x.contiguous()
     assert fits(x, w) and on_kernel(x, w, True) and not on_kernel(x, w, False)
     assert not fits(torch.cat([x, x[:1]]), w)  # too many rows
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wide = torch.zeros(32 * sms, 128, device="cuda", dtype=torch.bfloat16)  # two 16-row tiles per SM: 16 rows
+    assert fits(x[:16], wide) and not fits(x[:17], wide)
     assert not fits(x[:, :120].contiguous(), w[:, :120].contiguous().t().contiguous().t())  # strided weight
     assert not fits(x[:, :124].contiguous(), w[:, :124].contiguous())  # K % 8
     assert not fits(x.float(), w.float()) and not fits(x, w.float()) and not fits(x.cpu(), w.cpu())
@@ -119,9 +122,10 @@ def test_skinny_gemm_fits_and_project():
 def test_pick_config_depends_on_shape_only():
     """The split comes from (N, K, SMs); every warp of a cluster has a chunk where K allows it."""
     for n, k in ((2112, 7168), (1920, 1536), (7168, 1280), (592, 7168), (7168, 296), (16, 8)):
-        warps, cs = pick_config(n, k, 132)
-        assert 2 <= warps <= 8 and cs in (1, 2, 4, 8)
-        assert warps * cs <= max(-(-k // 64), 4)
+        for sms, smem in ((132, 227 << 10), (188, 99 << 10)):  # H200, RTX PRO 6000 Blackwell (sm_120)
+            warps, cs = pick_config(n, k, sms, smem)
+            assert 2 <= warps <= 8 and cs in (1, 2, 4, 8) and smem_bytes(warps, MAX_ROWS // 8) <= smem
+            assert warps * cs <= max(-(-k // 64), 4)
 
 
 def test_shared_memory_opt_in_only_grows(monkeypatch):
