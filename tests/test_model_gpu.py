@@ -258,8 +258,9 @@ def test_tiny_sync_free_forward_has_no_host_sync(tiny):
     cache = new_cache(cfg)
     cache.kv.normal_()
     plan = _tree_batch(cfg, cache, [7, 1, 12])
-    ref = K2Model(cfg, w, use_kernels=False).forward(plan, cache.kv.clone(), (0, 2)).logits
+    ref, ref_routes = routed(K2Model(cfg, w, use_kernels=False), plan, cache.kv.clone(), (0, 2))
     model = K2Model(cfg, w, use_kernels=True)
+    _, routes = routed(model, plan, cache.kv.clone(), (0, 2))  # (the hook syncs) the bits of the run below
     kv = cache.kv.clone()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -267,8 +268,8 @@ def test_tiny_sync_free_forward_has_no_host_sync(tiny):
         out = model.forward(plan, kv, (0, 2))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    rel = float((out.logits - ref).norm() / ref.norm())
-    assert rel < BF16_REL, f"sync-free vs reference logits {rel:.3e} relative"
+    # rows routed alike within bf16 noise; a near-tie of the 8th and 9th expert may flip under rounding
+    assert_rows_close(out.logits, routes, ref, ref_routes, BF16_REL, "sync-free vs reference")
 
 
 def test_tiny_sync_free_graph_replay_matches_eager(tiny):
@@ -285,13 +286,15 @@ def test_tiny_sync_free_graph_replay_matches_eager(tiny):
     for seed, sizes in enumerate(([1], [5, 3], [17, 1, 9], [40, 1, 1, 2])):
         plan = _tree_batch(cfg, cache, sizes, seed)
         assert graphs.fits(plan)
-        ref = ref_model.forward(plan, cache.kv.clone(), (1,)).logits
+        ref, ref_routes = routed(ref_model, plan, cache.kv.clone(), (1,))
         replay = graphs.forward(plan, (1,)).logits
-        padded = model.forward(graphs.graphs[graphs.key(plan, (1,))].plan, cache.kv.clone(), (1,))
-        same = float((replay - padded.logits[: plan.num_rows]).norm() / replay.norm())
+        padded, routes = routed(model, graphs.graphs[graphs.key(plan, (1,))].plan, cache.kv.clone(), (1,))
+        same = float((replay - padded[: plan.num_rows]).norm() / replay.norm())
         assert same < 1e-3, f"sizes {sizes}: replay vs eager on the padded plan {same:.3e} relative"
-        rel = float((replay - ref).norm() / ref.norm())
-        assert rel < BF16_REL, f"sizes {sizes}: replay vs reference {rel:.3e} relative"
+        # bf16 rounding may flip a near-tie of the 8th and 9th expert (kernels/skinny_gemm's sums differ from
+        # cuBLAS's): rows routed alike must agree within BF16_REL, and few may be routed differently
+        routes = {layer: ids[: plan.num_rows] for layer, ids in routes.items()}
+        assert_rows_close(replay, routes, ref, ref_routes, BF16_REL, f"sizes {sizes}: replay vs reference")
 
 
 def test_tiny_host_plans_replay_like_device_plans(tiny):
