@@ -117,16 +117,24 @@ def routed(model: K2Model, plan, kv: torch.Tensor, layer_ids=()):
         model.on_experts = None
 
 
-def assert_rows_close(got, got_routes, want, want_routes, limit: float, what: str) -> None:
+def assert_rows_close(got, got_routes, want, want_routes, limit: float, what: str, plan=None) -> None:
     """Row by row within `limit` relative, except rows whose MoE routing differs between the two runs: a
     near-tie of the 8th and 9th expert flips under bf16 rounding (a legitimate difference of ~0.2 in that
-    row's logits, seen for 2 of 17 rows of the bf16 torch reference against fp32). At most 1 in 8 may."""
+    row's logits, seen for 2 of 17 rows of the bf16 torch reference against fp32). At most 1 in 8 may.
+    With the `plan`, a flipped row's tree descendants are exempt too: they attend to its keys."""
     flipped = {r for layer in want_routes for r in range(want.shape[0])
                if not torch.equal(got_routes[layer][r], want_routes[layer][r])}
     assert len(flipped) <= max(1, want.shape[0] // 8), f"{what}: routing differs in rows {sorted(flipped)}"
+    exempt = set(flipped)
+    if plan is not None:
+        starts, mask = plan.row_starts.tolist(), plan.tree_mask.cpu()
+        for b in range(len(starts) - 1):
+            for r in range(starts[b], starts[b + 1]):
+                if any(bool(mask[r, f - starts[b]]) for f in flipped if starts[b] <= f < starts[b + 1]):
+                    exempt.add(r)
     for r in range(want.shape[0]):
         rel = float((got[r].float() - want[r].float()).norm() / want[r].float().norm())
-        assert r in flipped or rel < limit, f"{what}: row {r} differs by {rel:.3e} relative (same experts)"
+        assert r in exempt or rel < limit, f"{what}: row {r} differs by {rel:.3e} relative (same experts)"
 
 
 def test_full_dimension_step_kernels_match_reference():
@@ -269,7 +277,7 @@ def test_tiny_sync_free_forward_has_no_host_sync(tiny):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     # rows routed alike within bf16 noise; a near-tie of the 8th and 9th expert may flip under rounding
-    assert_rows_close(out.logits, routes, ref, ref_routes, BF16_REL, "sync-free vs reference")
+    assert_rows_close(out.logits, routes, ref, ref_routes, BF16_REL, "sync-free vs reference", plan)
 
 
 def test_tiny_sync_free_graph_replay_matches_eager(tiny):
@@ -294,7 +302,7 @@ def test_tiny_sync_free_graph_replay_matches_eager(tiny):
         # bf16 rounding may flip a near-tie of the 8th and 9th expert (kernels/skinny_gemm's sums differ from
         # cuBLAS's): rows routed alike must agree within BF16_REL, and few may be routed differently
         routes = {layer: ids[: plan.num_rows] for layer, ids in routes.items()}
-        assert_rows_close(replay, routes, ref, ref_routes, BF16_REL, f"sizes {sizes}: replay vs reference")
+        assert_rows_close(replay, routes, ref, ref_routes, BF16_REL, f"sizes {sizes}: replay vs reference", plan)
 
 
 def test_tiny_host_plans_replay_like_device_plans(tiny):
