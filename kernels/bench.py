@@ -293,8 +293,8 @@ def bench_small(copy_bw: float) -> list[dict]:
     return rows
 
 
-# (K, N): the tiny pair's fp32 target (q_a, q_b, kv_a, o_proj, lm_head, layer 0's gate and down). In bf16
-# (K2.6) cuBLAS's tensor-core kernels win: at 17 rows x 7168 x 2048, 8.9 us against ~50 (H200 2026-11-30).
+# (K, N): the tiny pair's fp32 target (q_a, q_b, kv_a, o_proj, lm_head, layer 0's gate and down). bf16 (K2.6)
+# is kernels/skinny_gemm's (bench_linear_bf16).
 LINEAR_CASES = ((384, 96), (96, 288), (384, 80), (192, 384), (384, 4352), (384, 1024), (1024, 384))
 
 

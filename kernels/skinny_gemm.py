@@ -2,16 +2,18 @@
 
     skinny_gemm(x, weight, add=None) -> y   (written into `add` when given)
 
-x       [M, K] bf16, M <= MAX_ROWS, rows 16-byte aligned (any such row stride), K % 8 == 0
+x       [M, K] bf16, M <= max_rows(N) (16 or 32), rows 16-byte aligned (any such row stride), K % 8 == 0
 weight  [N, K] bf16 contiguous, 16-byte aligned (nn.Linear's layout)
 add     [M, N] bf16 contiguous or None: y = bf16(x Wᵀ + add) with one rounding (cuBLAS's beta = 1)
 y       [M, N] bf16
 
-Why: at 1-16 rows every dense projection of a K2.6 layer is a weight stream (~70 MB a layer and rank), and
-cuBLAS took ~44 us a layer for ~17 us of bytes (H200, session 15 profile): per-call fixed costs and
-split-K GEMM kernels sized for larger M. Here each 16-row weight tile is split over a cluster of blocks
-along K, summed through distributed shared memory in a fixed order, in one launch (kernels/skinny_gemm.cu).
-The split is chosen from (N, K) only, so every row gets the same bits whatever M is (batch invariance).
+Why: at 1-32 rows every dense projection of a K2.6 layer is a weight stream (~70 MB a layer and rank). cuBLAS
+took ~37 us a MoE layer for ~17 us of bytes (H200), whatever the rows, with split-K GEMMs and a reduce
+launch. Here each 16-row weight tile is split over a cluster of blocks along K and summed through
+distributed shared memory in a fixed order, in one launch (kernels/skinny_gemm.cu): ~29 us a layer at one
+row. The split is chosen from (N, K) only, so every row gets the same bits whatever M is (batch invariance).
+Callers must not pass a weight the previous kernel on the stream writes: with PDL the first weight stages
+are read before that kernel has finished (model weights are constant).
 """
 
 from __future__ import annotations

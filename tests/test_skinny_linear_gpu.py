@@ -56,7 +56,7 @@ def test_skinny_linear_fits():
     x, w = operands(MAX_ROWS, 8, 64, 1)
     assert fits(x, w) and not fits(torch.cat([x, x[:1]]), w)
     assert not fits(x[:, :62].contiguous(), w[:, :62].contiguous())  # 248 bytes per row: not 16-byte chunks
-    assert not fits(x.bfloat16(), w.bfloat16())  # cuBLAS's tensor cores win in bf16 (kernels/bench.py)
+    assert not fits(x.bfloat16(), w.bfloat16())  # bf16 is kernels/skinny_gemm's
     assert not fits(x.bfloat16(), w) and not fits(x.cpu(), w.cpu()) and not fits(x[:, 1:33], w[:, 1:33])
 
 
