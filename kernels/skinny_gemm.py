@@ -58,14 +58,15 @@ def smem_bytes(warps: int, nt: int) -> int:
 
 @functools.cache
 def pick_config(n: int, k: int, sms: int, smem_max: int = 227 << 10) -> tuple[int, int]:
-    """(warps per block, blocks per cluster) for an [n, k] weight, fitted to H200 sweeps (BENCHMARKS.md): with at
-    least two 16-row tiles per SM, 2-warp blocks (up to 4-9 resident per SM, each streaming its whole K);
-    otherwise 8-warp blocks (fewer where a block of MAX_ROWS would not fit `smem_max`, the device's opt-in
-    limit: 99 KB on sm_120), doubling the cluster until the blocks cover half the SMs, no warp without a
-    chunk. Depends on the weight's shape and the device only, never on the rows (batch invariance)."""
+    """(warps per block, blocks per cluster) for an [n, k] weight, fitted to H200 sweeps (BENCHMARKS.md).
+    - At least two 16-row tiles per SM: one block per tile streams its whole K, with 2 warps, or 4 from 64
+      chunks of K on (lm_head: 82 against 86 us).
+    - Otherwise 8-warp blocks, fewer where a block of MAX_ROWS would not fit `smem_max` (the device's opt-in
+      limit: 99 KB on sm_120); the cluster doubles until the blocks cover half the SMs, no warp without a chunk.
+    Depends on the weight's shape and the device only, never on the rows (batch invariance)."""
     tiles, chunks = -(-n // 16), -(-k // CHUNK)
     if tiles >= 2 * sms:
-        return 2, 1
+        return (4, 1) if chunks >= 64 else (2, 1)
     warps = max(2, min(8, chunks))
     while warps > 1 and smem_bytes(warps, MAX_NT) > smem_max:
         warps -= 1
