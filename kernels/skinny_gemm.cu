@@ -51,11 +51,12 @@ __device__ __forceinline__ void issue_rows(u32 stage, int r0, const u16* src, i6
   for (int i = 0; i < N4; ++i) {
     const int r = (lane >> 3) + 4 * i;
     const bool ok = r < nrows && k < K;
-    const u32 dst = stage + (r0 + r) * 128 + ((p ^ (r & 7)) << 4);
+    const u32 dst = stage + (r0 + r) * 128 + ((p ^ (r & 7)) << 4), bytes = ok ? 16 : 0;
+    const u16* from = ok ? src + r * ld + k : src;
     if (L1)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(ok ? src + r * ld + k : src), "r"(ok ? 16 : 0));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(from), "r"(bytes));
     else
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(ok ? src + r * ld + k : src), "r"(ok ? 16 : 0));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(from), "r"(bytes));
   }
 }
 
@@ -120,7 +121,8 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
   float4* sums = reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE);  // [NT][32]
   __syncthreads();
 #pragma unroll
-  for (int n = 0; n < NT; ++n) red[(warp * NT + n) * 32 + lane] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+  for (int n = 0; n < NT; ++n)
+    red[(warp * NT + n) * 32 + lane] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
   __syncthreads();
   for (int e = tid; e < NT * 32; e += NW * 32) {
     float4 v = red[e];

@@ -95,7 +95,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
     warps, cs = CONFIG or pick_config(N, K, *_device_limits(x.device.index))
     nt = -(-M // 8)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}>"]
-    launch(ker, -(-N // 16), (32, warps), x, x.stride(0), weight, np.uint64(0) if add is None else add, out, M, N, K, cs,
+    add_ptr = np.uint64(0) if add is None else add  # null: no add
+    launch(ker, -(-N // 16), (32, warps), x, x.stride(0), weight, add_ptr, out, M, N, K, cs,
            smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 
