@@ -60,25 +60,18 @@ __device__ __forceinline__ void issue_rows(u32 stage, int r0, const u16* src, i6
   }
 }
 
-// Grid: tiles·CS blocks in clusters of CS (blockIdx.x = tile·CS + rank); block (32, NW).
-// Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp reduction: NW·NT·512 B) + NT·512 B
-// block sums. Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned.
+// One warp's K-slice of a 16-row tile (weight rows wt[0..15], nrows of them real): acc[n] += W · x over chunks slot,
+// slot + stride, ... (nch of them), token tile n in the fragment layout of mma_bf16. The first stages' weights
+// go out before the wait for the previous kernel (they do not depend on it), their x after it; stage s's x
+// closes commit group s, so the loop's waits see whole stages.
 template <int NT>
-__global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, int ldx, const u16* __restrict__ w,
-                                                   const u16* add, u16* out, int M, int N, int K, int CS) {
+__device__ __forceinline__ void warp_stream(float (&acc)[NT][4], u32 ring, const u16* wt, int nrows, const u16* x,
+                                            int ldx, int M, int K, int slot, int stride, int nch) {
   constexpr int STAGE = (16 + 8 * NT) * 128;  // 16 weight rows, then 8·NT token rows of x
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y, tid = warp * 32 + lane;
-  const int rank = (int)cluster_rank(), row0 = (blockIdx.x / CS) * 16;
-  const int chunks = (K + SG_CHUNK - 1) / SG_CHUNK, slot = rank * NW + warp, stride = CS * NW;
-  const int nch = slot < chunks ? (chunks - slot + stride - 1) / stride : 0;
-  const u32 ring = smem_addr(smem) + warp * SG_STAGES * STAGE;
-  const u16* wt = w + (i64)row0 * K;
-  // The first stages' weights go out before the wait for the previous kernel (they do not depend on it), their
-  // x after it; stage s's x closes commit group s, so the loop's waits see whole stages.
+  const int lane = threadIdx.x;
 #pragma unroll
   for (int s = 0; s < SG_STAGES - 1; ++s)
-    if (s < nch) issue_rows<4, false>(ring + s * STAGE, 0, wt, K, N - row0, K, slot + s * stride);
+    if (s < nch) issue_rows<4, false>(ring + s * STAGE, 0, wt, K, nrows, K, slot + s * stride);
   pdl_wait();
 #pragma unroll
   for (int s = 0; s < SG_STAGES - 1; ++s) {
@@ -88,14 +81,13 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
   // ldmatrix.x4, A: lanes 8j..8j+7 address weight rows (l & 7) + 8(j & 1) of piece 2s + (j >> 1) = {rows g, g+8}
   // x {k 0-7, 8-15} of k-step s. B: token rows l & 7 of pieces 2s + j = {k 0-7, 8-15} of steps s and s + 1.
   const int lr = (lane & 7) + 8 * ((lane >> 3) & 1), lp = lane >> 4, sw = lane & 7;
-  float acc[NT][4] = {};
   for (int i = 0; i < nch; ++i) {
     cp_async_wait<SG_STAGES - 2>();
     __syncwarp();
     if (i + SG_STAGES - 1 < nch) {
       const u32 next = ring + ((i + SG_STAGES - 1) % SG_STAGES) * STAGE;
       const int c = slot + (i + SG_STAGES - 1) * stride;
-      issue_rows<4, false>(next, 0, wt, K, N - row0, K, c);
+      issue_rows<4, false>(next, 0, wt, K, nrows, K, c);
       issue_rows<2 * NT, true>(next, 16, x, ldx, M, K, c);
     }
     cp_async_commit();
@@ -115,11 +107,16 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
     }
   }
   cp_async_wait<0>();
-  pdl_trigger();
-  // Block sums: warps in order, into sums[n][lane] (the fragment layout), for the cluster to read.
-  float4* red = reinterpret_cast<float4*>(smem);                            // [NW][NT][32]
-  float4* sums = reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE);  // [NT][32]
-  __syncthreads();
+}
+
+// The tile's outputs from every warp's acc: the block's warps summed in order into sums[n][lane] (shared memory,
+// `red` reused as scratch), then block `rank` finishes entries rank·NW·32 + tid, + CS·NW·32, ...: Σ over the
+// cluster's blocks in rank order (distributed shared memory), + add, rounded once, stored where m < M, row < N.
+template <int NT>
+__device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* red, float4* sums, int rank, int CS,
+                                            const u16* add, u16* out, int M, int N, int row0) {
+  const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y, tid = warp * 32 + lane;
+  __syncthreads();  // every warp is done with its ring: reuse it
 #pragma unroll
   for (int n = 0; n < NT; ++n)
     red[(warp * NT + n) * 32 + lane] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
@@ -133,7 +130,6 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
     sums[e] = v;
   }
   cluster_sync();
-  // Block `rank` finishes entries rank·NW·32 + tid, + CS·NW·32, ...: Σ over the cluster's blocks in rank order.
   for (int e = rank * NW * 32 + tid; e < NT * 32; e += CS * NW * 32) {
     float4 v = ld_cluster_f4(smem_addr(sums + e), 0);
     for (int q = 1; q < CS; ++q) {
@@ -151,4 +147,24 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
     }
   }
   cluster_sync();  // no block leaves while another still reads its sums
+}
+
+// Grid: tiles·CS blocks in clusters of CS (blockIdx.x = tile·CS + rank); block (32, NW).
+// Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp reduction: NW·NT·512 B) + NT·512 B
+// block sums. Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned.
+template <int NT>
+__global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, int ldx, const u16* __restrict__ w,
+                                                   const u16* add, u16* out, int M, int N, int K, int CS) {
+  constexpr int STAGE = (16 + 8 * NT) * 128;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.y, NW = blockDim.y;
+  const int rank = (int)cluster_rank(), row0 = (blockIdx.x / CS) * 16;
+  const int chunks = (K + SG_CHUNK - 1) / SG_CHUNK, slot = rank * NW + warp, stride = CS * NW;
+  const int nch = slot < chunks ? (chunks - slot + stride - 1) / stride : 0;
+  float acc[NT][4] = {};
+  warp_stream<NT>(acc, smem_addr(smem) + warp * SG_STAGES * STAGE, w + (i64)row0 * K, N - row0, x, ldx, M, K, slot,
+                  stride, nch);
+  pdl_trigger();  // a PDL successor may start; it waits for this grid before reading out
+  finish_tile<NT>(acc, reinterpret_cast<float4*>(smem), reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE),
+                  rank, CS, add, out, M, N, row0);
 }
