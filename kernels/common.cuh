@@ -55,10 +55,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+// ldmatrix.x4 at a shared-window address: lane 4g+t gets word t of row g of each of the 4 8x(16 B)
+// matrices whose row addresses lanes 8j..8j+7 supply. ldmatrix_x4: the same from a generic pointer.
+__device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) { ldsm4(r, smem_addr(p)); }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));

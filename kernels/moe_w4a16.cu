@@ -83,13 +83,6 @@ __device__ __forceinline__ void dequant(u32 w, u32 (&p)[4]) {
   }
 }
 
-// ldmatrix.x4 at a shared-window address: lane 4g+t gets word t of row g of each of the 4 8x(16 B)
-// matrices whose row addresses lanes 8j..8j+7 supply.
-__device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
 template <int MT>
 struct Stage {  // one warp's share of one pipeline stage
   u32 w[MT][16 * ROWW];  // packed words, 16 rows x CG groups x 4 words (+pad)

@@ -18,10 +18,6 @@
 #define SG_STAGES 4
 #define SG_CHUNK 64  // inputs per chunk: 128 B of each of the 16 rows
 
-__device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 __device__ __forceinline__ u32 cluster_rank() {
   u32 r;
   asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
