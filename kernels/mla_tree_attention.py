@@ -38,7 +38,8 @@ CODE = ("mla_tree_attention.cu", "mla_tree_attention_sm90.cu")
 # (64, 2) needs 225 KB of smem, one block per SM; (16, 1) is 94 KB and fits sm_120's 99 KB.
 # "wgmma": mla_attn_wgmma, 64 query rows on Hopper's warpgroup MMA (sm_90 only), 2 stages, 227 KB.
 CONFIGS = ((16, 2), (32, 2), (64, 2), (16, 1), "wgmma")
-NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS[:4]) + ("mla_attn_wgmma", "mla_merge")
+NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS[:4]) + ("mla_attn_wgmma", "mla_merge", "mla_merge32")
+MERGE32_MAX_QUERIES = 20  # up to this many (row, head) queries mla_merge32 merges the splits, else mla_merge
 D, DV, KT = 576, 512, 64
 MAX_SPLITS = 1024  # mla_merge's limit
 CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config picks
@@ -153,7 +154,9 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
                     else np.uint64(0))
     launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem)
     if splits > 1:
-        launch(ker["mla_merge"], (T * h, 4), 256, o_part, lse, prefix_lens, row_starts, B, h, splits, T * h, out,
+        cols = 32 if T * h <= MERGE32_MAX_QUERIES else 128  # columns of a query row per merge block
+        launch(ker["mla_merge32" if cols == 32 else "mla_merge"], (T * h, DV // cols), 256, o_part, lse, prefix_lens,
+               row_starts, B, h, splits, T * h, out,
                pdl=PDL)
     return out
 

@@ -199,6 +199,18 @@ def test_mla_tree_attention(rows, prefixes, heads, page_size):
     assert_close(out, ref, rel=1e-2, cos=0.99995)
 
 
+@pytest.mark.parametrize("splits", [None, 1000])  # the launcher's count, or one per tile: 626, three rounds of loads
+@pytest.mark.parametrize("merge32_max", [0, 1 << 20])  # every split merge by mla_merge, or by mla_merge32
+def test_mla_tree_attention_merges(merge32_max, splits, monkeypatch):
+    """Both split merges on unequal sessions (the short one leaves its tail splits without keys: -inf LSE)."""
+    monkeypatch.setattr(mla_mod, "MERGE32_MAX_QUERIES", merge32_max)
+    monkeypatch.setattr(mla_mod, "SPLITS", splits)
+    args = mla_case([1, 2], [40000, 900], 10, 64, seed=5)
+    poison_allocator()
+    assert_close(mla_tree_attention(*args, 0.14467963), mla_tree_attention_ref(*args, 0.14467963),
+                 rel=1e-2, cos=0.99995)
+
+
 @pytest.mark.parametrize("capacity", [8192, 131072])  # page-table width in keys, as the served graphs size it
 @pytest.mark.parametrize("rows,prefixes", [([16], [4096]), ([1], [0]), ([1, 16, 3], [700, 4097, 64])])
 def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
