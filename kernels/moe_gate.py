@@ -1,28 +1,32 @@
-"""MoE router in two launches: fp32 logits + sigmoid, then the biased top-k and the normalized weights.
+"""MoE router in two launches: fp32 logits, then sigmoid, the biased top-k and the normalized weights.
 
     moe_gate(x, gate, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)
 
-x            [T, H] contiguous, bf16 or fp32; H % 4 == 0 and H <= 4·256·MAX_CHUNKS (8192)
-gate         [E, H] fp32 router weight, contiguous; E <= 32·MAX_PER_LANE (512)
+x            [T, H] contiguous, bf16 or fp32
+gate         [E, H] router weight, contiguous; E <= 32·MAX_PER_LANE (512). bf16 (the checkpoint's dtype) with
+             bf16 x: logits on tensor cores (kernels/skinny_gemm, fp32 out; 5.5 MB for K2.6). fp32: gate_logits
+             below (SIMT, fp32 or bf16 x, H % 4 == 0 and H <= 4·256·MAX_CHUNKS = 8192).
 bias         [E] fp32 e_score_correction_bias: added for choosing only
 topk_ids     int64 [T, top_k], descending by s + bias (equal values: the lower expert id first)
 topk_weights fp32 [T, top_k]: the chosen unbiased scores s, divided by (their sum + 1e-20) if renormalize,
              times scale
 
-s = sigmoid(x·gate^T) in fp32, as HF's DeepSeek-V3 / Kimi K2 MoEGate (n_group = topk_group = 1: a plain
-top-k; grouped routing stays on the torch path). Torch runs this as ~12 launches (a cuBLAS fp32 GEMM that
+s = sigmoid(x·gate^T) in fp32, as HF's DeepSeek-V3 / Kimi K2 MoEGate, F.linear(x.float(), gate.float()): the
+products of bf16 values are exact in fp32 either way, only the order of the fp32 sums differs (n_group =
+topk_group = 1: a plain top-k; grouped routing stays on the torch path). Torch runs this as ~12 launches (a cuBLAS fp32 GEMM that
 picks a split-K kernel of ~11 us at 16 rows and a SIMT one of ~30 us at 64, sigmoid, add, topk, sort,
 gather, sum, divide, scale): ~45 us of a K2.6 MoE layer at 16 rows, H200 2026-11-30.
 
-Each row's logits are summed in one fixed order (per thread over its chunks, a warp shuffle tree, warps in
-order) that does not depend on T: a tree row routes exactly like the same token verified alone, which
-cuBLAS, choosing its kernel by T, does not promise.
+Both logit kernels sum each row in one fixed order that does not depend on T (gate_logits: per thread over its
+chunks, a warp shuffle tree, warps in order; skinny_gemm: a split chosen from the weight's shape): a tree row
+routes exactly like the same token verified alone, which cuBLAS, choosing its kernel by T, does not promise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import skinny_gemm
 from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = r"""
@@ -37,7 +41,7 @@ template <> struct in4<u16> {
   }
 };
 
-// scores[t, e] = sigmoid(x[t] · gate[e]). Block (blockIdx.x, blockIdx.y) = experts EPB·x .. and rows
+// logits[t, e] = x[t] · gate[e] (fp32 gate). Block (blockIdx.x, blockIdx.y) = experts EPB·x .. and rows
 // ROWS·y ..; 256 threads. Thread t keeps float4 chunks t, t + 256, ... (at most MAXC) of its experts' gate
 // rows in registers and walks its rows R at a time.
 template <typename T, int EPB, int MAXC, int R, int ROWS>
@@ -90,25 +94,28 @@ __global__ void __launch_bounds__(256) gate_logits(const T* __restrict__ x, cons
       float s = 0.f;
 #pragma unroll
       for (int k = 0; k < 8; ++k) s += part[k][tid];
-      if (r0 + r < Tn && e0 + e < E) scores[(i64)(r0 + r) * E + e0 + e] = 1.f / (1.f + expf(-s));
+      if (r0 + r < Tn && e0 + e < E) scores[(i64)(r0 + r) * E + e0 + e] = s;
     }
     __syncthreads();
   }
 }
 
-// One warp per row: K rounds of a warp argmax over s + bias (ties: lower expert id), then the weights.
+__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+
+// One warp per row: s = sigmoid(logits), K rounds of a warp argmax over s + bias (ties: lower expert id), then the
+// weights.
 template <int MAXPL>
-__global__ void gate_select(const float* __restrict__ scores, const float* __restrict__ bias, int Tn, int E,
+__global__ void gate_select(const float* __restrict__ logits, const float* __restrict__ bias, int Tn, int E,
                              int K, float scale, int renormalize, i64* __restrict__ ids,
                              float* __restrict__ weights) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (row >= Tn) return;
-  const float* s = scores + (i64)row * E;
+  const float* s = logits + (i64)row * E;
   float c[MAXPL];  // lane's experts lane, lane + 32, ...
 #pragma unroll
   for (int j = 0; j < MAXPL; ++j) {
     const int e = lane + 32 * j;
-    c[j] = e < E ? s[e] + bias[e] : NEG_INF;
+    c[j] = e < E ? sigmoid(s[e]) + bias[e] : NEG_INF;
   }
   float sum = 0.f, mine = 0.f;
   for (int k = 0; k < K; ++k) {
@@ -127,7 +134,7 @@ __global__ void gate_select(const float* __restrict__ scores, const float* __res
 #pragma unroll
     for (int j = 0; j < MAXPL; ++j)
       if (lane + 32 * j == be) c[j] = NEG_INF;
-    const float v = s[be];
+    const float v = sigmoid(s[be]);
     sum += v;  // in selection order
     if (lane == k) mine = v;
     if (lane == 0) ids[(i64)row * K + k] = be;
@@ -149,8 +156,11 @@ NAMES = (*_LOGITS.values(), _SELECT)
 def fits(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
     """Shapes and dtypes the kernels take (others: moe_gate_ref)."""
     E, H = gate.shape
-    return (x.is_cuda and x.dtype in _LOGITS and gate.dtype == torch.float32 and gate.is_contiguous()
-            and H % 4 == 0 and H <= 4 * 256 * MAX_CHUNKS and E <= 32 * MAX_PER_LANE and 1 <= top_k <= min(E, 32))
+    if not (x.is_cuda and gate.is_contiguous() and E <= 32 * MAX_PER_LANE and 1 <= top_k <= min(E, 32)):
+        return False
+    if gate.dtype == torch.bfloat16:
+        return x.shape[0] == 0 or skinny_gemm.fits(x, gate, any_rows=True)
+    return gate.dtype == torch.float32 and x.dtype in _LOGITS and H % 4 == 0 and H <= 4 * 256 * MAX_CHUNKS
 
 
 def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
@@ -164,17 +174,20 @@ def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int
     if T == 0:
         return ids, weights
     kernels = get_kernels(cuda_source(CODE), NAMES)
-    scores = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    launch(kernels[_LOGITS[x.dtype]], (-(-E // EXPERTS_PER_BLOCK), -(-T // ROWS_PER_BLOCK)), 256, x, gate,
-           scores, T, H, E)
-    launch(kernels[_SELECT], -(-T // 4), 128, scores, bias.contiguous(), T, E, top_k, float(scale),
+    if gate.dtype == torch.bfloat16:
+        logits = skinny_gemm.skinny_gemm(x, gate, out_dtype=torch.float32)  # [T, E]
+    else:
+        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        launch(kernels[_LOGITS[x.dtype]], (-(-E // EXPERTS_PER_BLOCK), -(-T // ROWS_PER_BLOCK)), 256, x, gate,
+               logits, T, H, E)
+    launch(kernels[_SELECT], -(-T // 4), 128, logits, bias.contiguous(), T, E, top_k, float(scale),
            int(renormalize), ids, weights)
     return ids, weights
 
 
 def moe_gate_ref(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
                   renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.nn.functional.linear(x.float(), gate).sigmoid()  # [T, E]
+    scores = torch.nn.functional.linear(x.float(), gate.float()).sigmoid()  # [T, E]
     ids = (scores + bias).topk(top_k, dim=-1).indices  # [T, k]
     weights = scores.gather(1, ids)
     if renormalize:

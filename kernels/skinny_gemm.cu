@@ -1,6 +1,7 @@
-// out[M, N] = bf16(x[M, K] · W[N, K]ᵀ (+ add[M, N])) for few rows (M <= 8·NT) on tensor cores:
-// the dense bf16 projections of a decode or tree-verify step, which are weight streams (M·2 FLOP per weight
-// byte). fp32 accumulation, one rounding at the end (add is summed in fp32 first, as cuBLAS's beta = 1).
+// out[M, N] = x[M, K] · W[N, K]ᵀ (+ add[M, N]) for few rows on tensor cores, bf16 in, bf16 or fp32 out: the dense
+// bf16 projections of a decode or tree-verify step, which are weight streams (M·2 FLOP per weight byte), and the
+// MoE router's fp32 logits. fp32 accumulation, one rounding at the end (add is summed in fp32 first, as cuBLAS's
+// beta = 1). Rows come in blocks of 8·NT (gridDim.y of them), each streaming the weights again (from L2).
 //
 // Tiling: a block owns 16 weight rows (one m16n8k16 A tile; the tokens are the N = 8 side, NT tiles) and a
 // K-slice; a cluster of CS blocks (blockIdx.x = tile·CS + rank) splits K further. Warp slot s = rank·NW +
@@ -105,12 +106,15 @@ __device__ __forceinline__ void warp_stream(float (&acc)[NT][4], u32 ring, const
   cp_async_wait<0>();
 }
 
+__device__ __forceinline__ void store_out(u16* p, float v) { *p = f2bf(v); }
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+
 // The tile's outputs from every warp's acc: the block's warps summed in order into sums[n][lane] (shared memory,
 // `red` reused as scratch), then block `rank` finishes entries rank·NW·32 + tid, + CS·NW·32, ...: Σ over the
 // cluster's blocks in rank order (distributed shared memory), + add, rounded once, stored where m < M, row < N.
-template <int NT>
+template <int NT, typename OutT>
 __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* red, float4* sums, int rank, int CS,
-                                            const u16* add, u16* out, int M, int N, int row0) {
+                                            const u16* add, OutT* out, int M, int N, int row0) {
   const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y, tid = warp * 32 + lane;
   __syncthreads();  // every warp is done with its ring: reuse it
 #pragma unroll
@@ -139,20 +143,23 @@ __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* r
       const int m = 8 * n + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
       if (m >= M || row >= N) continue;
       const i64 o = (i64)m * N + row;
-      out[o] = f2bf(add ? val[j] + bf2f(add[o]) : val[j]);
+      store_out(out + o, add ? val[j] + bf2f(add[o]) : val[j]);
     }
   }
   cluster_sync();  // no block leaves while another still reads its sums
 }
 
-// Grid: tiles·CS blocks in clusters of CS (blockIdx.x = tile·CS + rank); block (32, NW).
-// Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp reduction: NW·NT·512 B) + NT·512 B
-// block sums. Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned.
-template <int NT>
+// Grid: (tiles·CS, ceil(M / 8·NT)) blocks in clusters of CS along x (blockIdx.x = tile·CS + rank; blockIdx.y = row
+// block, rows 8·NT·y ..); block (32, NW). Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp
+// reduction: NW·NT·512 B) + NT·512 B block sums. Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned.
+// add: null, or bf16 [M, N] (OutT = u16 only).
+template <int NT, typename OutT>
 __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, int ldx, const u16* __restrict__ w,
-                                                   const u16* add, u16* out, int M, int N, int K, int CS) {
+                                                   const u16* add, OutT* out, int M, int N, int K, int CS) {
   constexpr int STAGE = (16 + 8 * NT) * 128;
   extern __shared__ __align__(16) unsigned char smem[];
+  const i64 m0 = (i64)blockIdx.y * 8 * NT;  // this block's first row
+  x += m0 * ldx, out += m0 * N, add = add ? add + m0 * N : add, M = min(M - (int)m0, 8 * NT);
   const int warp = threadIdx.y, NW = blockDim.y;
   const int rank = (int)cluster_rank(), row0 = (blockIdx.x / CS) * 16;
   const int chunks = (K + SG_CHUNK - 1) / SG_CHUNK, slot = rank * NW + warp, stride = CS * NW;
@@ -161,6 +168,6 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
   warp_stream<NT>(acc, smem_addr(smem) + warp * SG_STAGES * STAGE, w + (i64)row0 * K, N - row0, x, ldx, M, K, slot,
                   stride, nch);
   pdl_trigger();  // a PDL successor may start; it waits for this grid before reading out
-  finish_tile<NT>(acc, reinterpret_cast<float4*>(smem), reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE),
+  finish_tile<NT, OutT>(acc, reinterpret_cast<float4*>(smem), reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE),
                   rank, CS, add, out, M, N, row0);
 }

@@ -1,11 +1,14 @@
 """bf16 y = x Wᵀ (+ add) for the few rows of a decode or tree-verify step, on tensor cores, one launch.
 
-    skinny_gemm(x, weight, add=None) -> y   (written into `add` when given)
+    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16) -> y   (written into `add` when given)
 
-x       [M, K] bf16, M <= max_rows(N) (16 or 32), rows 16-byte aligned (any such row stride), K % 8 == 0
+x       [M, K] bf16, rows 16-byte aligned (any such row stride), K % 8 == 0. Any M; `fits` (the projections'
+        test) takes M <= max_rows(N) (16 or 32), where the kernel beats cuBLAS. Beyond MAX_ROWS the rows go in
+        blocks of MAX_ROWS, each streaming the weights again (the MoE router's 5.5 MB weight: from L2).
 weight  [N, K] bf16 contiguous, 16-byte aligned (nn.Linear's layout)
 add     [M, N] bf16 contiguous or None: y = bf16(x Wᵀ + add) with one rounding (cuBLAS's beta = 1)
-y       [M, N] bf16
+y       [M, N] bf16, or fp32 (out_dtype=torch.float32, no add: the router's logits, each an fp32 sum of exact
+        bf16 products, like F.linear(x.float(), weight.float()) up to the order of the sums)
 
 Why: at 1-32 rows every dense projection of a K2.6 layer is a weight stream (~70 MB a layer and rank). cuBLAS
 took ~37 us a MoE layer for ~17 us of bytes (H200), whatever the rows, with split-K GEMMs and a reduce
@@ -27,17 +30,18 @@ from kernels._compile import cuda_source, get_kernels, launch
 
 CODE = "skinny_gemm.cu"
 MAX_NT = 4  # token tiles of 8: up to 32 rows (`max_rows`; beyond, cuBLAS's GEMMs win: BENCHMARKS.md)
-NAMES = tuple(f"skinny_gemm<{nt}>" for nt in range(1, MAX_NT + 1))
+_OUT = {torch.bfloat16: "u16", torch.float32: "float"}
+NAMES = tuple(f"skinny_gemm<{nt}, {t}>" for t in _OUT.values() for nt in range(1, MAX_NT + 1))
 MAX_ROWS = 8 * MAX_NT
 STAGES, CHUNK = 4, 64  # must match the .cu (SG_STAGES, SG_CHUNK)
 PDL = True  # the weight stages are issued before the wait for the previous kernel
 CONFIG: tuple[int, int] | None = None  # force (warps, cluster size) (tests, benches); None: `pick_config`
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether skinny_gemm takes these operands (else use F.linear)."""
+def fits(x: torch.Tensor, weight: torch.Tensor, any_rows: bool = False) -> bool:
+    """Whether skinny_gemm takes these operands, at up to max_rows(N) rows (else use F.linear) or any."""
     return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
-            and 0 < x.shape[0] <= max_rows(weight.shape[0], _device_limits(x.device.index)[0])
+            and 0 < x.shape[0] and (any_rows or x.shape[0] <= max_rows(weight.shape[0], _sms(x)))
             and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
             and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
@@ -76,6 +80,10 @@ def pick_config(n: int, k: int, sms: int, smem_max: int = 227 << 10) -> tuple[in
     return warps, cs
 
 
+def _sms(x: torch.Tensor) -> int:
+    return _device_limits(x.device.index)[0]
+
+
 @functools.cache
 def _device_limits(index: int) -> tuple[int, int]:
     """(SMs, opt-in shared memory per block in bytes) of a device."""
@@ -83,27 +91,29 @@ def _device_limits(index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    assert fits(x, weight), (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, weight.dtype)
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    assert fits(x, weight, any_rows=True), (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, weight.dtype)
     M, K = x.shape
     N = weight.shape[0]
     if add is None:
-        out = x.new_empty(M, N)
+        out = x.new_empty(M, N, dtype=out_dtype)
     else:
-        assert add.dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), (add.shape, add.dtype)
+        assert add.dtype == out_dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), add.shape
         out = add
     warps, cs = CONFIG or pick_config(N, K, *_device_limits(x.device.index))
-    nt = -(-M // 8)
-    ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}>"]
+    nt = min(-(-M // 8), MAX_NT)
+    ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}, {_OUT[out_dtype]}>"]
     add_ptr = np.uint64(0) if add is None else add  # null: no add
-    launch(ker, -(-N // 16), (32, warps), x, x.stride(0), weight, add_ptr, out, M, N, K, cs,
+    launch(ker, (-(-N // 16), -(-M // (8 * nt))), (32, warps), x, x.stride(0), weight, add_ptr, out, M, N, K, cs,
            smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 
 
-def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """fp64 product (+ add), rounded once to bf16: the kernel differs only by its fp32 sums."""
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp64 product (+ add), rounded once to out_dtype: the kernel differs only by its fp32 sums."""
     y = x.double() @ weight.double().T
     if add is not None:
         y += add.double()
-    return y.to(x.dtype)
+    return y.to(out_dtype)

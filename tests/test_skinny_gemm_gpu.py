@@ -78,6 +78,23 @@ def test_skinny_gemm_row_does_not_depend_on_its_batch():
     assert torch.equal(skinny_gemm(x[5:6], w, add[5:6].clone()), skinny_gemm(x[:9], w, add[:9].clone())[5:6])
 
 
+@pytest.mark.parametrize("M", [1, 7, 32, 33, 100, 300])
+def test_skinny_gemm_fp32_out_and_row_blocks(M):
+    """fp32 output (the MoE router's logits: no bf16 rounding, only the fp32 sums' error), rows beyond MAX_ROWS in
+    blocks of MAX_ROWS, and every row the same bits as that row alone (batch invariance across row blocks)."""
+    x, w, _ = operands(M, 384, 7168, M)
+    x = x.contiguous()
+    torch.full((64 << 20,), float("nan"), device="cuda")
+    got = skinny_gemm(x, w, out_dtype=torch.float32)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (M, 384)
+    err = (got.double() - exact).abs()
+    assert (err <= (x.double().abs() @ w.double().abs().T) * 2**-18).all(), float(err.max())
+    for r in {0, M // 2, M - 1}:
+        assert torch.equal(skinny_gemm(x[r: r + 1], w, out_dtype=torch.float32)[0], got[r]), r
+    assert_close(skinny_gemm(x, w), x, w)  # bf16 out, the same row blocks
+
+
 def test_skinny_gemm_chain_in_a_graph():
     """Back-to-back launches (each reads the previous one's output after its griddepcontrol.wait), eager and
     replayed from a CUDA graph: the same bits, and the graph follows new inputs."""

@@ -84,7 +84,7 @@ def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: i
     if touched is None:
         touched = experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** rows)
     shared = 2 * 3 * H * share(cfg.moe_intermediate_size * cfg.n_shared_experts)
-    moe = touched * expert_bytes(cfg) + shared + 4 * cfg.n_routed_experts * H  # fp32 router
+    moe = touched * expert_bytes(cfg) + shared + 2 * cfg.n_routed_experts * H  # bf16 router
     dense = 2 * 3 * H * share(cfg.intermediate_size)
     kv = (prefix + rows) * cfg.kv_cache_width * 2
     head = 2 * share(cfg.vocab_size) * H

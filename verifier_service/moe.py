@@ -60,7 +60,7 @@ class ExpertStack:
 
 @dataclass(frozen=True)
 class MoEWeights:
-    gate: torch.Tensor  # fp32 [n_routed_experts, H] router (kept fp32: logits are computed in fp32)
+    gate: torch.Tensor  # [n_routed_experts, H] router, bf16 as stored or fp32; logits are computed in fp32
     e_score_correction_bias: torch.Tensor  # fp32 [n_routed_experts], used for selection only
     experts: ExpertStack
     shared_experts: MLPWeights | None  # [I·n_shared, H] etc.; None when n_shared_experts == 0
@@ -98,7 +98,7 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
         if moe_gate.fits(x, w.gate, cfg.num_experts_per_tok):
             return moe_gate.moe_gate(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
                                      cfg.routed_scaling_factor, cfg.norm_topk_prob)
-    scores = F.linear(x.float(), w.gate).sigmoid()  # [T, E]
+    scores = F.linear(x.float(), w.gate.float()).sigmoid()  # [T, E] (the checkpoint's router weight is bf16)
     choice = scores + w.e_score_correction_bias  # [T, E]
     if cfg.n_group > 1:
         grouped = choice.view(x.shape[0], cfg.n_group, -1)  # [T, G, E/G]

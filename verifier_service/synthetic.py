@@ -147,7 +147,8 @@ def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range, spli
                             down_proj=r.int4((i, "down"), experts, H, I), first=experts.start)
         shared = _mlp(r, (i, "shared"), I * cfg.n_shared_experts, H, split)
         bias = torch.randn(n, device=r.device, generator=r.gen(i, "bias")) * 0.01
-        mlp = MoEWeights(gate=r.dense((i, "router"), n, H, dtype=torch.float32), e_score_correction_bias=bias,
+        router = r.dense((i, "router"), n, H, dtype=torch.float32).to(r.dtype)  # stored like K2.6's (bf16)
+        mlp = MoEWeights(gate=router, e_score_correction_bias=bias,
                          experts=stack, shared_experts=shared)
     else:
         mlp = _mlp(r, (i,), cfg.intermediate_size, H, split)

@@ -281,7 +281,8 @@ def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtyp
         inter = split.of(cfg.moe_intermediate_size * cfg.n_shared_experts) if split else None
         shared = _mlp(r, p + "mlp.shared_experts.", dtype, inter) if cfg.n_shared_experts else None
         mlp: MLPWeights | MoEWeights = MoEWeights(
-            gate=r.get(p + "mlp.gate.weight", torch.float32),
+            # the stored dtype (K2.6: bf16, logits on tensor cores in fp32, kernels/moe_gate); fp32 in an fp32 model
+            gate=r.get(p + "mlp.gate.weight", torch.float32 if dtype == torch.float32 else None),
             e_score_correction_bias=r.get(p + "mlp.gate.e_score_correction_bias", torch.float32),
             experts=_experts(r, p, cfg, experts),
             shared_experts=shared,
