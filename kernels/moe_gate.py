@@ -1,11 +1,11 @@
-"""MoE router in two launches: fp32 logits, then sigmoid, the biased top-k and the normalized weights.
+"""MoE router in two launches: fp32 logits + sigmoid, then the biased top-k and the normalized weights.
 
     moe_gate(x, gate, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)
 
 x            [T, H] contiguous, bf16 or fp32
 gate         [E, H] router weight, contiguous; E <= 32·MAX_PER_LANE (512). bf16 (the checkpoint's dtype) with
-             bf16 x: logits on tensor cores (kernels/skinny_gemm, fp32 out; 5.5 MB for K2.6). fp32: gate_logits
-             below (SIMT, fp32 or bf16 x, H % 4 == 0 and H <= 4·256·MAX_CHUNKS = 8192).
+             bf16 x: scores on tensor cores (kernels/skinny_gemm, fp32 out, sigmoid epilogue; 5.5 MB for K2.6).
+             fp32: gate_logits below (SIMT, fp32 or bf16 x, H % 4 == 0 and H <= 4·256·MAX_CHUNKS = 8192).
 bias         [E] fp32 e_score_correction_bias: added for choosing only
 topk_ids     int64 [T, top_k], descending by s + bias (equal values: the lower expert id first)
 topk_weights fp32 [T, top_k]: the chosen unbiased scores s, divided by (their sum + 1e-20) if renormalize,
@@ -13,11 +13,11 @@ topk_weights fp32 [T, top_k]: the chosen unbiased scores s, divided by (their su
 
 s = sigmoid(x·gate^T) in fp32, as HF's DeepSeek-V3 / Kimi K2 MoEGate, F.linear(x.float(), gate.float()): the
 products of bf16 values are exact in fp32 either way, only the order of the fp32 sums differs (n_group =
-topk_group = 1: a plain top-k; grouped routing stays on the torch path). Torch runs this as ~12 launches (a cuBLAS fp32 GEMM that
-picks a split-K kernel of ~11 us at 16 rows and a SIMT one of ~30 us at 64, sigmoid, add, topk, sort,
-gather, sum, divide, scale): ~45 us of a K2.6 MoE layer at 16 rows, H200 2026-11-30.
+topk_group = 1: a plain top-k; grouped routing stays on the torch path). Torch runs this as ~12 launches (a
+cuBLAS fp32 GEMM that picks a split-K kernel of ~11 us at 16 rows and a SIMT one of ~30 us at 64, sigmoid, add,
+topk, sort, gather, sum, divide, scale): ~45 us of a K2.6 MoE layer at 16 rows, H200 2026-11-30.
 
-Both logit kernels sum each row in one fixed order that does not depend on T (gate_logits: per thread over its
+Both score kernels sum each row in one fixed order that does not depend on T (gate_logits: per thread over its
 chunks, a warp shuffle tree, warps in order; skinny_gemm: a split chosen from the weight's shape): a tree row
 routes exactly like the same token verified alone, which cuBLAS, choosing its kernel by T, does not promise.
 """
@@ -41,7 +41,7 @@ template <> struct in4<u16> {
   }
 };
 
-// logits[t, e] = x[t] · gate[e] (fp32 gate). Block (blockIdx.x, blockIdx.y) = experts EPB·x .. and rows
+// scores[t, e] = sigmoid(x[t] · gate[e]) (fp32 gate). Block (blockIdx.x, blockIdx.y) = experts EPB·x .. and rows
 // ROWS·y ..; 256 threads. Thread t keeps float4 chunks t, t + 256, ... (at most MAXC) of its experts' gate
 // rows in registers and walks its rows R at a time.
 template <typename T, int EPB, int MAXC, int R, int ROWS>
@@ -94,28 +94,27 @@ __global__ void __launch_bounds__(256) gate_logits(const T* __restrict__ x, cons
       float s = 0.f;
 #pragma unroll
       for (int k = 0; k < 8; ++k) s += part[k][tid];
-      if (r0 + r < Tn && e0 + e < E) scores[(i64)(r0 + r) * E + e0 + e] = s;
+      if (r0 + r < Tn && e0 + e < E) scores[(i64)(r0 + r) * E + e0 + e] = 1.f / (1.f + expf(-s));
     }
     __syncthreads();
   }
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
-
-// One warp per row: s = sigmoid(logits), K rounds of a warp argmax over s + bias (ties: lower expert id), then the
-// weights.
+// One warp per row: K rounds of a warp argmax over s + bias (ties: lower expert id), then the weights. The sigmoid
+// stays with the logits kernels, spread over their threads: here one warp would take ~5 us per row for it (H200).
 template <int MAXPL>
-__global__ void gate_select(const float* __restrict__ logits, const float* __restrict__ bias, int Tn, int E,
+__global__ void gate_select(const float* __restrict__ scores, const float* __restrict__ bias, int Tn, int E,
                              int K, float scale, int renormalize, i64* __restrict__ ids,
                              float* __restrict__ weights) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+  pdl_wait();  // launched with PDL: the logits kernel's output is complete and visible after this
   if (row >= Tn) return;
-  const float* s = logits + (i64)row * E;
+  const float* s = scores + (i64)row * E;
   float c[MAXPL];  // lane's experts lane, lane + 32, ...
 #pragma unroll
   for (int j = 0; j < MAXPL; ++j) {
     const int e = lane + 32 * j;
-    c[j] = e < E ? sigmoid(s[e]) + bias[e] : NEG_INF;
+    c[j] = e < E ? s[e] + bias[e] : NEG_INF;
   }
   float sum = 0.f, mine = 0.f;
   for (int k = 0; k < K; ++k) {
@@ -134,7 +133,7 @@ __global__ void gate_select(const float* __restrict__ logits, const float* __res
 #pragma unroll
     for (int j = 0; j < MAXPL; ++j)
       if (lane + 32 * j == be) c[j] = NEG_INF;
-    const float v = sigmoid(s[be]);
+    const float v = s[be];
     sum += v;  // in selection order
     if (lane == k) mine = v;
     if (lane == 0) ids[(i64)row * K + k] = be;
@@ -147,6 +146,7 @@ MAX_CHUNKS = 8  # float4 gate chunks per thread: H <= 8192
 ROW_TILE = 8  # rows per pass of a block (accumulators: ROW_TILE · EXPERTS_PER_BLOCK per thread)
 ROWS_PER_BLOCK = 16  # more rows: more blocks (each re-reads its gate rows, from L2)
 MAX_PER_LANE = 16  # E <= 512
+PDL = True  # gate_select by programmatic dependent launch: resident while the logits kernel runs
 _LOGITS = {dt: f"gate_logits<{t}, {EXPERTS_PER_BLOCK}, {MAX_CHUNKS}, {ROW_TILE}, {ROWS_PER_BLOCK}>"
            for dt, t in ((torch.float32, "float"), (torch.bfloat16, "u16"))}
 _SELECT = f"gate_select<{MAX_PER_LANE}>"
@@ -175,13 +175,13 @@ def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int
         return ids, weights
     kernels = get_kernels(cuda_source(CODE), NAMES)
     if gate.dtype == torch.bfloat16:
-        logits = skinny_gemm.skinny_gemm(x, gate, out_dtype=torch.float32)  # [T, E]
+        scores = skinny_gemm.skinny_gemm(x, gate, out_dtype=torch.float32, sigmoid=True)  # [T, E]
     else:
-        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        scores = torch.empty(T, E, dtype=torch.float32, device=x.device)
         launch(kernels[_LOGITS[x.dtype]], (-(-E // EXPERTS_PER_BLOCK), -(-T // ROWS_PER_BLOCK)), 256, x, gate,
-               logits, T, H, E)
-    launch(kernels[_SELECT], -(-T // 4), 128, logits, bias.contiguous(), T, E, top_k, float(scale),
-           int(renormalize), ids, weights)
+               scores, T, H, E)
+    launch(kernels[_SELECT], -(-T // 4), 128, scores, bias.contiguous(), T, E, top_k, float(scale),
+           int(renormalize), ids, weights, pdl=PDL)
     return ids, weights
 
 

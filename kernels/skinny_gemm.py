@@ -1,6 +1,6 @@
 """bf16 y = x Wᵀ (+ add) for the few rows of a decode or tree-verify step, on tensor cores, one launch.
 
-    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16) -> y   (written into `add` when given)
+    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16, sigmoid=False) -> y   (into `add` when given)
 
 x       [M, K] bf16, rows 16-byte aligned (any such row stride), K % 8 == 0. Any M; `fits` (the projections'
         test) takes M <= max_rows(N) (16 or 32), where the kernel beats cuBLAS. Beyond MAX_ROWS the rows go in
@@ -8,7 +8,9 @@ x       [M, K] bf16, rows 16-byte aligned (any such row stride), K % 8 == 0. Any
 weight  [N, K] bf16 contiguous, 16-byte aligned (nn.Linear's layout)
 add     [M, N] bf16 contiguous or None: y = bf16(x Wᵀ + add) with one rounding (cuBLAS's beta = 1)
 y       [M, N] bf16, or fp32 (out_dtype=torch.float32, no add: the router's logits, each an fp32 sum of exact
-        bf16 products, like F.linear(x.float(), weight.float()) up to the order of the sums)
+        bf16 products, like F.linear(x.float(), weight.float()) up to the order of the sums); sigmoid (fp32 only):
+        1 / (1 + e^-y), the router's scores, in the epilogue, where every block's threads share the 384 of a row
+        (in kernels/moe_gate's one-warp select the same took ~5 us, H200)
 
 Why: at 1-32 rows every dense projection of a K2.6 layer is a weight stream (~70 MB a layer and rank). cuBLAS
 took ~37 us a MoE layer for ~17 us of bytes (H200), whatever the rows, with split-K GEMMs and a reduce
@@ -92,7 +94,7 @@ def _device_limits(index: int) -> tuple[int, int]:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False) -> torch.Tensor:
     assert fits(x, weight, any_rows=True), (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, weight.dtype)
     M, K = x.shape
     N = weight.shape[0]
@@ -101,19 +103,20 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
     else:
         assert add.dtype == out_dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), add.shape
         out = add
+    assert not sigmoid or out_dtype == torch.float32, "the sigmoid epilogue writes fp32"
     warps, cs = CONFIG or pick_config(N, K, *_device_limits(x.device.index))
     nt = min(-(-M // 8), MAX_NT)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}, {_OUT[out_dtype]}>"]
     add_ptr = np.uint64(0) if add is None else add  # null: no add
     launch(ker, (-(-N // 16), -(-M // (8 * nt))), (32, warps), x, x.stride(0), weight, add_ptr, out, M, N, K, cs,
-           smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
+           int(sigmoid), smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp64 product (+ add), rounded once to out_dtype: the kernel differs only by its fp32 sums."""
+                    out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False) -> torch.Tensor:
+    """fp64 product (+ add) (sigmoid of it), rounded once to out_dtype: the kernel differs only by its fp32 sums."""
     y = x.double() @ weight.double().T
     if add is not None:
         y += add.double()
-    return y.to(out_dtype)
+    return (y.sigmoid() if sigmoid else y).to(out_dtype)

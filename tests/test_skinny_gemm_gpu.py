@@ -93,6 +93,11 @@ def test_skinny_gemm_fp32_out_and_row_blocks(M):
     for r in {0, M // 2, M - 1}:
         assert torch.equal(skinny_gemm(x[r: r + 1], w, out_dtype=torch.float32)[0], got[r]), r
     assert_close(skinny_gemm(x, w), x, w)  # bf16 out, the same row blocks
+    scores = skinny_gemm(x, w, out_dtype=torch.float32, sigmoid=True)  # the router's epilogue: |σ'| <= 1/4
+    bound = (x.double().abs() @ w.double().abs().T) * 2**-20 + 2**-20  # + expf's and the division's rounding
+    assert ((scores.double() - exact.sigmoid()).abs() <= bound).all()
+    want = skinny_gemm_ref(x, w, out_dtype=torch.float32, sigmoid=True)
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-6)
 
 
 def test_skinny_gemm_chain_in_a_graph():
