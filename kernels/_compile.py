@@ -124,6 +124,26 @@ def _load(source: str, names: tuple[str, ...], device: int) -> dict:
     return {n: module.get_kernel(n) for n in names}
 
 
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the launchers size grids and shared memory by (one query per device)."""
+
+    sms: int  # streaming multiprocessors
+    smem_block: int  # opt-in dynamic shared memory per block, bytes (227 KB on H200, 99 KB on sm_120)
+    smem_sm: int  # shared memory per SM, bytes
+    major: int  # compute capability major (9: Hopper's wgmma and TMA)
+
+
+@functools.cache
+def device_limits(device: int) -> DeviceLimits:
+    import torch
+
+    p = torch.cuda.get_device_properties(device)
+    per_block = getattr(p, "shared_memory_per_block_optin", 99 * 1024)
+    return DeviceLimits(p.multi_processor_count, per_block, getattr(p, "shared_memory_per_multiprocessor", per_block),
+                        p.major)
+
+
 class _TorchStream:
     """The `__cuda_stream__` protocol cuda.core accepts, for a torch stream."""
 

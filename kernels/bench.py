@@ -326,17 +326,18 @@ def bench_linear_bf16(copy_bw: float) -> list[dict]:
     enough weight copies (>= 256 MB) that every weight comes from HBM, as in a 61-layer step."""
     import torch.nn.functional as F
 
-    from kernels.skinny_gemm import _device_limits, max_rows, pick_config, skinny_gemm
+    from kernels._compile import device_limits
+    from kernels.skinny_gemm import max_rows, pick_config, skinny_gemm
 
-    rows, limits = [], _device_limits(torch.cuda.current_device())
+    rows, lim = [], device_limits(torch.cuda.current_device())
     for N, K in GEMM_CASES:
         ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(max(2, -(-(256 << 20) // (2 * N * K))))]
-        for M in (m for m in (1, 8, 16, 24, 32) if m <= max_rows(N, limits[0])):
+        for M in (m for m in (1, 8, 16, 24, 32) if m <= max_rows(N, lim.sms)):
             xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(len(ws))]
             t = gpu_time([lambda x=x, w=w: skinny_gemm(x, w) for x, w in zip(xs, ws)])
             t_ref = gpu_time([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)])
             nbytes = (N * K + M * K + M * N) * 2
-            case = f"bf16 rows={M} N={N} K={K} {pick_config(N, K, *limits)}"
+            case = f"bf16 rows={M} N={N} K={K} {pick_config(N, K, lim.sms, lim.smem_block)}"
             rows.append(result_row("skinny_gemm", case, t, nbytes, copy_bw, t_ref))
     return rows
 

@@ -31,7 +31,7 @@ import math
 import numpy as np
 import torch
 
-from kernels._compile import cuda_source, get_kernels, launch
+from kernels._compile import cuda_source, device_limits, get_kernels, launch
 
 CODE = ("mla_tree_attention.cu", "mla_tree_attention_sm90.cu")
 # mla_attn<MT, NSTAGE> (mma.sync): MT query rows per block, NSTAGE cp.async stages of 64-key tiles (73.7 KB).
@@ -59,15 +59,6 @@ def _smem(config) -> int:
 
 def _kernel(config) -> str:
     return "mla_attn_wgmma" if config == "wgmma" else f"mla_attn<{config[0]}, {config[1]}>"
-
-
-@functools.cache
-def _device(device: int) -> tuple[int, int, int, bool]:
-    """-> (SMs, opt-in smem per block, smem per SM in bytes, has wgmma (compute capability 9.x))."""
-    p = torch.cuda.get_device_properties(device)
-    per_block = getattr(p, "shared_memory_per_block_optin", 99 * 1024)
-    return (p.multi_processor_count, per_block, getattr(p, "shared_memory_per_multiprocessor", per_block),
-            p.major == 9)
 
 
 def _config(q_rows: int, smem_block: int, wgmma: bool):
@@ -138,7 +129,8 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
         return out
     ker = get_kernels(cuda_source(CODE), NAMES)
     page_size = kv_cache.shape[1]
-    sms, smem_block, smem_sm, wgmma = _device(q.device.index or 0)
+    lim = device_limits(q.device.index or 0)
+    sms, smem_block, smem_sm, wgmma = lim.sms, lim.smem_block, lim.smem_sm, lim.major == 9
     config = _config(R * h, smem_block, wgmma)
     smem = _smem(config)
     per_sm = max(1, min(smem_sm // (smem + 1024), 2 if config == (16, 1) else 1))  # 1 KB: per-block reserve

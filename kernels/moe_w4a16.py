@@ -33,12 +33,10 @@ the same call.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-from kernels._compile import cuda_source, get_kernels, launch
+from kernels._compile import cuda_source, device_limits, get_kernels, launch
 
 CODE = "moe_w4a16.cu"
 NAMES = ("moe_route", "moe_gemm<0, 1, 2, 1>", "moe_gemm<0, 2, 2, 1>", "moe_gemm<1, 1, 2, 1>", "moe_gemm<1, 1, 4, 1>",
@@ -79,11 +77,6 @@ def _stage_bytes(mt: int) -> int:
     return mt * 16 * 20 * 4 + mt * 16 * 4 * 2  # Stage<MT>: words (ROWW = 20) + scales
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts) -> torch.Tensor:
     gate, up, down = experts.gate_proj, experts.up_proj, experts.down_proj
     T, H = x.shape
@@ -118,7 +111,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     first = np.int64(experts.first)
     launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, 8 * nt, offsets, order, items, num_items,
            counters, counters.numel(), smem=8 * E)
-    slots = 2 * _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    slots = 2 * device_limits(dev.index if dev.index is not None else torch.cuda.current_device()).sms
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
             (gate, up, H, I, x, act, GATE_UP_WARPS, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):

@@ -28,7 +28,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels._compile import cuda_source, get_kernels, launch
+from kernels._compile import cuda_source, device_limits, get_kernels, launch
 
 CODE = "skinny_gemm.cu"
 MAX_NT = 4  # token tiles of 8: up to 32 rows (`max_rows`; beyond, cuBLAS's GEMMs win: BENCHMARKS.md)
@@ -83,14 +83,7 @@ def pick_config(n: int, k: int, sms: int, smem_max: int = 227 << 10) -> tuple[in
 
 
 def _sms(x: torch.Tensor) -> int:
-    return _device_limits(x.device.index)[0]
-
-
-@functools.cache
-def _device_limits(index: int) -> tuple[int, int]:
-    """(SMs, opt-in shared memory per block in bytes) of a device."""
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, props.shared_memory_per_block_optin
+    return device_limits(x.device.index).sms
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
@@ -104,7 +97,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
         assert add.dtype == out_dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), add.shape
         out = add
     assert not sigmoid or out_dtype == torch.float32, "the sigmoid epilogue writes fp32"
-    warps, cs = CONFIG or pick_config(N, K, *_device_limits(x.device.index))
+    lim = device_limits(x.device.index)
+    warps, cs = CONFIG or pick_config(N, K, lim.sms, lim.smem_block)
     nt = min(-(-M // 8), MAX_NT)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}, {_OUT[out_dtype]}>"]
     add_ptr = np.uint64(0) if add is None else add  # null: no add

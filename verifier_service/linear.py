@@ -23,7 +23,8 @@ def on_kernel(x: torch.Tensor, weight: torch.Tensor, kernel: bool) -> bool:
 def project(x: torch.Tensor, weight: torch.Tensor, kernel: bool = False,
             add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]ᵀ (+ add [T, N]) -> [T, N] in x's dtype. With `kernel` on a GPU a bf16 sum is one
-    launch that accumulates into `add` (overwritten, returned): skinny_gemm, or cuBLAS past its rows."""
+    launch that accumulates into `add` (skinny_gemm, or cuBLAS past its rows): a contiguous `add` is overwritten
+    and returned, another is copied first; use the returned tensor either way."""
     if on_kernel(x, weight, kernel):
         if x.dtype == torch.bfloat16:  # the two kernels' fits() split by dtype
             from kernels.skinny_gemm import skinny_gemm
