@@ -351,86 +351,22 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   write_out<RG>(o, sm.red, sm.m, sq, warp, lane, gridDim.z > 1, blockIdx.z, TH, out, o_part, lse_part);
 }
 
-// Merge splits: out[r] = Σ_z 2^(lse_z - M) o_z / Σ_z 2^(lse_z - M). Grid (T*h, 4); block 256 = 8 split
-// groups x 32 lanes, lane = 4 columns (float4) of the block's 128, so each thread has nsplit/8
-// independent loads in flight. Requires splits <= 1024. With programmatic dependent launch it becomes
-// resident while mla_attn runs and reads only the plan (row_starts, prefix_lens) before its wait.
-extern "C" __global__ void __launch_bounds__(256) mla_merge(
-    const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
-    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
-  __shared__ float wz[1024], red[8];
-  __shared__ float4 part[7][32];
-  const i64 qr = blockIdx.x, t = qr / h;
-  const int tid = threadIdx.x, lane = tid & 31, zg = tid >> 5;
+// Splits that hold keys of query row qr's sequence (the chunking of mla_attn's block_seq).
+__device__ __forceinline__ int merge_nsplit(const i64* prefix_lens, const i64* row_starts, int B, int h, int splits,
+                                            i64 qr) {
+  const i64 t = qr / h;
   int b = 0;
   while (b + 1 < B && row_starts[b + 1] <= t) ++b;
   const i64 kv_len = prefix_lens[b] + row_starts[b + 1] - row_starts[b];
-  const int chunk = split_chunk((int)kv_len, splits), nsplit = (int)((kv_len + chunk - 1) / chunk);
-  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
-  float mx = NEG_INF;
-  for (int z = tid; z < nsplit; z += 256) mx = fmaxf(mx, wz[z] = lse_part[(i64)z * TH + qr]);
-  for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-  if (lane == 0) red[zg] = mx;
-  __syncthreads();
-  mx = red[0];
-  for (int w = 1; w < 8; ++w) mx = fmaxf(mx, red[w]);
-  if (mx == NEG_INF) mx = 0.f;  // no split saw a key: all weights 0, output 0
-  __syncthreads();  // red is reused below
-  float wsum = 0.f;
-  for (int z = tid; z < nsplit; z += 256) wsum += (wz[z] = exp2f(wz[z] - mx));  // -inf (saw no key) -> 0
-  for (int d = 16; d > 0; d >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, d);
-  if (lane == 0) red[zg] = wsum;
-  __syncthreads();  // also publishes wz
-  wsum = 0.f;
-  for (int w = 0; w < 8; ++w) wsum += red[w];
-  const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 128 * blockIdx.y) + lane;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int z = zg; z < nsplit; z += 8) {
-    const float w = wz[z];
-    const float4 v = src[(i64)z * TH * (DV / 4)];
-    acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
-  }
-  if (zg) part[zg - 1][lane] = acc;
-  __syncthreads();
-  if (zg == 0) {
-#pragma unroll
-    for (int j = 0; j < 7; ++j) {
-      const float4 p = part[j][lane];
-      acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
-    }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    *reinterpret_cast<uint2*>(out + qr * DV + 128 * blockIdx.y + 4 * lane) =
-        make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
-  }
+  const int chunk = split_chunk((int)kv_len, splits);
+  return (int)((kv_len + chunk - 1) / chunk);
 }
 
-// mla_merge for few query rows (decode): 4x the blocks, each thread's partials loaded in one round. Grid (T*h,
-// DV / 32); block 256 = 32 split groups x 8 lanes, lane l8 = float4 columns 4·l8 .. of the block's 32; a thread
-// reads splits zg, zg + 32, ... up to 8 at a time (129 splits: one round of loads, against mla_merge's four),
-// the first 8 before the LSE reductions. Sums in a fixed order: each thread's splits in order, the 4 groups of
-// a warp by shuffles, the 8 warps in order. H200, 10 heads x 1 row: 4K keys 9.2 -> 8.7 us, 64K 32.4 -> 30.8;
-// from ~64 query rows on its blocks cost more than they save (64 x 1 x 4K 12.7 -> 15.0 us).
-extern "C" __global__ void __launch_bounds__(256) mla_merge32(
-    const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
-    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
-  __shared__ float wz[1024], red[8];
-  __shared__ float4 part[8][8];
-  const i64 qr = blockIdx.x, t = qr / h;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, zg = tid >> 3, l8 = tid & 7;
-  int b = 0;
-  while (b + 1 < B && row_starts[b + 1] <= t) ++b;
-  const i64 kv_len = prefix_lens[b] + row_starts[b + 1] - row_starts[b];
-  const int chunk = split_chunk((int)kv_len, splits), nsplit = (int)((kv_len + chunk - 1) / chunk);
-  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
-  const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 32 * blockIdx.y) + l8;
-  const i64 zstride = (i64)TH * (DV / 4);
-  float4 v[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // the first round's partials go out before the LSE reductions
-    const int z = zg + 32 * i;
-    v[i] = z < nsplit ? src[z * zstride] : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+// The merge weights of row qr, by a block of 256 threads: wz[z] = 2^(lse_z - M) in shared memory (M the largest
+// LSE; all 0 when no split saw a key), -> their sum. red: 8 floats of shared scratch.
+__device__ __forceinline__ float merge_weights(const float* __restrict__ lse_part, int TH, i64 qr, int nsplit,
+                                               float* wz, float* red) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float mx = NEG_INF;
   for (int z = tid; z < nsplit; z += 256) mx = fmaxf(mx, wz[z] = lse_part[(i64)z * TH + qr]);
   for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
@@ -447,6 +383,74 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge32(
   __syncthreads();  // also publishes wz
   wsum = 0.f;
   for (int w = 0; w < 8; ++w) wsum += red[w];
+  return wsum;
+}
+
+// 4 merged columns, normalized by the weights' sum and rounded to bf16, to dst (8 bytes).
+__device__ __forceinline__ void store_merged(u16* dst, float4 acc, float wsum) {
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  *reinterpret_cast<uint2*>(dst) =
+      make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+}
+
+// Merge splits: out[r] = Σ_z 2^(lse_z - M) o_z / Σ_z 2^(lse_z - M). Grid (T*h, 4); block 256 = 8 split
+// groups x 32 lanes, lane = 4 columns (float4) of the block's 128, so each thread has nsplit/8
+// independent loads in flight. Requires splits <= 1024. With programmatic dependent launch it becomes
+// resident while mla_attn runs and reads only the plan (row_starts, prefix_lens) before its wait.
+extern "C" __global__ void __launch_bounds__(256) mla_merge(
+    const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
+    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
+  __shared__ float wz[1024], red[8];
+  __shared__ float4 part[7][32];
+  const i64 qr = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, zg = tid >> 5;
+  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
+  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
+  const float wsum = merge_weights(lse_part, TH, qr, nsplit, wz, red);
+  const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 128 * blockIdx.y) + lane;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int z = zg; z < nsplit; z += 8) {
+    const float w = wz[z];
+    const float4 v = src[(i64)z * TH * (DV / 4)];
+    acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+  }
+  if (zg) part[zg - 1][lane] = acc;
+  __syncthreads();
+  if (zg == 0) {
+#pragma unroll
+    for (int j = 0; j < 7; ++j) {
+      const float4 p = part[j][lane];
+      acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
+    }
+    store_merged(out + qr * DV + 128 * blockIdx.y + 4 * lane, acc, wsum);
+  }
+}
+
+// mla_merge for few query rows (decode): 4x the blocks, each thread's partials loaded in one round. Grid (T*h,
+// DV / 32); block 256 = 32 split groups x 8 lanes, lane l8 = float4 columns 4·l8 .. of the block's 32; a thread
+// reads splits zg, zg + 32, ... up to 8 at a time (129 splits: one round of loads, against mla_merge's four),
+// the first 8 before the LSE reductions. Sums in a fixed order: each thread's splits in order, the 4 groups of
+// a warp by shuffles, the 8 warps in order. H200, 10 heads x 1 row: 4K keys 9.2 -> 8.7 us, 64K 32.4 -> 30.8;
+// at ~30 query rows its extra blocks cost what they save, at 64 more (64 x 1 x 4K 12.7 -> 15.0 us).
+extern "C" __global__ void __launch_bounds__(256) mla_merge32(
+    const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
+    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
+  __shared__ float wz[1024], red[8];
+  __shared__ float4 part[8][8];
+  const i64 qr = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, zg = tid >> 3, l8 = tid & 7;
+  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
+  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
+  const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 32 * blockIdx.y) + l8;
+  const i64 zstride = (i64)TH * (DV / 4);
+  float4 v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // the first round's partials go out before the LSE reductions
+    const int z = zg + 32 * i;
+    v[i] = z < nsplit ? src[z * zstride] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float wsum = merge_weights(lse_part, TH, qr, nsplit, wz, red);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int z0 = 0;; z0 += 256) {
 #pragma unroll
@@ -476,8 +480,6 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge32(
       const float4 p = part[w][tid];
       acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
     }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    *reinterpret_cast<uint2*>(out + qr * DV + 32 * blockIdx.y + 4 * tid) =
-        make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+    store_merged(out + qr * DV + 32 * blockIdx.y + 4 * tid, acc, wsum);
   }
 }
