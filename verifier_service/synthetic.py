@@ -5,7 +5,7 @@ K2.6's text config (`k26`) or a small model of the same architecture and vocabul
 (`k26-mini`), optionally with fewer layers; `random_target` builds one rank's slice (its heads and
 experts; with `split`, also its share of the dense and shared MLPs and the vocab rows of embeddings and
 head, as `--split-replicated` loads a checkpoint) in the checkpoint's formats: bf16 attention / dense /
-shared / embeddings / head, INT4 pack-quantized routed experts, fp32 router bias. Magnitudes keep
+shared / embeddings / head / router, INT4 pack-quantized routed experts, fp32 router bias. Magnitudes keep
 activations O(1) so the numerics stay representative.
 
 Every tensor, and every head block and expert of a split tensor, draws from its own generator seeded

@@ -3,8 +3,9 @@
 - Names with or without the `language_model.` prefix; `vision_tower.*` / `mm_projector.*` skipped;
   MTP layers (index >= num_hidden_layers) skipped.
 - A linear is INT4 iff `<name>.weight_packed` exists: kept packed (int32 words, bf16 group scales,
-  logical shape). Everything else is cast to the model dtype, except the router (weight and
-  `e_score_correction_bias`), which stays fp32, and dense routed experts, which keep their stored dtype.
+  logical shape). Everything else is cast to the model dtype, except the router (its weight keeps the stored
+  dtype, bf16 for K2.6, fp32 in an fp32 model; `e_score_correction_bias` stays fp32) and dense routed experts,
+  which keep their stored dtype.
 - Every name and header shape is checked against the config before any data is read: missing,
   unexpected or mis-shaped tensors and unreadable shards raise `CheckpointError` naming them.
 - Lazy: one tensor at a time; a rank reads only its routed experts (`expert_range`).
