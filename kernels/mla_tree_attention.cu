@@ -427,6 +427,15 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge(
   }
 }
 
+// mla_merge32's round of partial loads: v[i] = split z0 + zg + 32i of this thread's float4 column (0 past nsplit).
+__device__ __forceinline__ void load_partials(float4 (&v)[8], const float4* src, i64 zstride, int z0, int nsplit) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int z = z0 + 32 * i;
+    v[i] = z < nsplit ? src[z * zstride] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
 // mla_merge for few query rows (decode): 4x the blocks, each thread's partials loaded in one round. Grid (T*h,
 // DV / 32); block 256 = 32 split groups x 8 lanes, lane l8 = float4 columns 4·l8 .. of the block's 32; a thread
 // reads splits zg, zg + 32, ... up to 8 at a time (129 splits: one round of loads, against mla_merge's four),
@@ -445,11 +454,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge32(
   const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 32 * blockIdx.y) + l8;
   const i64 zstride = (i64)TH * (DV / 4);
   float4 v[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // the first round's partials go out before the LSE reductions
-    const int z = zg + 32 * i;
-    v[i] = z < nsplit ? src[z * zstride] : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+  load_partials(v, src, zstride, zg, nsplit);  // the first round goes out before the LSE reductions
   const float wsum = merge_weights(lse_part, TH, qr, nsplit, wz, red);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int z0 = 0;; z0 += 256) {
@@ -460,11 +465,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge32(
       acc.x += w * v[i].x, acc.y += w * v[i].y, acc.z += w * v[i].z, acc.w += w * v[i].w;
     }
     if (z0 + 256 >= nsplit) break;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int z = z0 + 256 + zg + 32 * i;
-      v[i] = z < nsplit ? src[z * zstride] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    load_partials(v, src, zstride, z0 + 256 + zg, nsplit);
   }
 #pragma unroll
   for (int d = 8; d < 32; d <<= 1) {  // the warp's 4 split groups

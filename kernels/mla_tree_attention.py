@@ -41,7 +41,7 @@ CONFIGS = ((16, 2), (32, 2), (64, 2), (16, 1), "wgmma")
 NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS[:4]) + ("mla_attn_wgmma", "mla_merge", "mla_merge32")
 MERGE32_MAX_QUERIES = 20  # up to this many (row, head) queries mla_merge32 merges the splits, else mla_merge
 D, DV, KT = 576, 512, 64
-MAX_SPLITS = 1024  # mla_merge's limit
+MAX_SPLITS = 1024  # the merges' limit (their wz[1024])
 CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config picks
 SPLITS = None  # split count forced by the bench; None: _split picks
 TMA = True  # mla_attn_wgmma loads whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
@@ -146,9 +146,9 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
                     else np.uint64(0))
     launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem)
     if splits > 1:
-        cols = 32 if T * h <= MERGE32_MAX_QUERIES else 128  # columns of a query row per merge block
-        launch(ker["mla_merge32" if cols == 32 else "mla_merge"], (T * h, DV // cols), 256, o_part, lse, prefix_lens,
-               row_starts, B, h, splits, T * h, out,
+        # the merge kernel and the columns of a query row each of its blocks takes
+        merge, cols = ("mla_merge32", 32) if T * h <= MERGE32_MAX_QUERIES else ("mla_merge", 128)
+        launch(ker[merge], (T * h, DV // cols), 256, o_part, lse, prefix_lens, row_starts, B, h, splits, T * h, out,
                pdl=PDL)
     return out
 
