@@ -40,6 +40,7 @@ __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, cons
                          const float* __restrict__ cos, const float* __restrict__ sin, T* __restrict__ cache,
                          const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R,
                          int kv_ld, i64 out_t, i64 out_h) {
+  pdl_trigger();  // the tree-attention kernel after it may start on the committed prefix; it waits for our writes
   const int t = blockIdx.x, half = R / 2;
   const float* ct = cos + (i64)t * half;
   const float* sn = sin + (i64)t * half;

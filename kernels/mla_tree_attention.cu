@@ -283,18 +283,46 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
 
-  for (int row = lr; row < MT; row += 32) {  // Q tile, zero rows past the sequence's queries
-    const bool ok = sq.q0 + row < sq.q_end;
-    copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
-  }
+  // The first one or two tiles are issued before the loop. At MT <= 32 (decode, 2-3-row trees) those wholly inside
+  // the committed prefix go before griddepcontrol.wait: no kernel of a step writes committed keys (mla_rope writes
+  // the tree rows' slots), so under programmatic dependent launch their DRAM latency overlaps the kernel before
+  // this one. Q and the tiles holding tree rows wait for it. Commit groups: [prefix tiles] [Q (+ tile 0)] [later
+  // tiles]. MT = 64 keeps the plain order (its 255 registers have none to spare: 24 B of spills otherwise).
   const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT;
-  int ref[2];  // key_refs of this thread's rows of the next tile to issue
-  fetch_refs<2>(ref, sq, sq.kbeg, lr);
-  issue_tile<2>(sm.k[0], kv, sq, sq.kbeg, ref, lr, sub);  // commits Q with it
-  fetch_refs<2>(ref, sq, sq.kbeg + KT, lr);
-  if (NSTAGE == 2 && ntiles > 1) {
-    issue_tile<2>(sm.k[NSTAGE - 1], kv, sq, sq.kbeg + KT, ref, lr, sub);
-    fetch_refs<2>(ref, sq, sq.kbeg + 2 * KT, lr);
+  const int first = NSTAGE == 2 && ntiles > 1 ? 2 : 1;
+  int ref[2];  // key_refs of this thread's rows of the next tile to issue (plan data: readable before the wait)
+  bool tile1_after_q = first == 2;  // tile 1's commit group is younger than Q's
+  if constexpr (MT == 64) {
+    pdl_wait();  // launched with PDL: q and the tree rows' latents are written after this
+    for (int row = lr; row < MT; row += 32) {  // Q tile, zero rows past the sequence's queries
+      const bool ok = sq.q0 + row < sq.q_end;
+      copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
+    }
+    fetch_refs<2>(ref, sq, sq.kbeg, lr);
+    issue_tile<2>(sm.k[0], kv, sq, sq.kbeg, ref, lr, sub);  // commits Q with it
+    fetch_refs<2>(ref, sq, sq.kbeg + KT, lr);
+    if (first == 2) {
+      issue_tile<2>(sm.k[1], kv, sq, sq.kbeg + KT, ref, lr, sub);
+      fetch_refs<2>(ref, sq, sq.kbeg + 2 * KT, lr);
+    }
+  } else {
+    const int early = (sq.kbeg + KT <= sq.L) + (first == 2 && sq.kbeg + 2 * KT <= sq.L);
+    fetch_refs<2>(ref, sq, sq.kbeg, lr);
+    for (int i = 0; i < early; ++i) {
+      issue_tile<2>(sm.k[i], kv, sq, sq.kbeg + i * KT, ref, lr, sub);
+      fetch_refs<2>(ref, sq, sq.kbeg + (i + 1) * KT, lr);
+    }
+    pdl_wait();
+    for (int row = lr; row < MT; row += 32) {
+      const bool ok = sq.q0 + row < sq.q_end;
+      copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
+    }
+    if (early) cp_async_commit();  // Q's own group; else it goes with tile 0's
+    for (int i = early; i < first; ++i) {
+      issue_tile<2>(sm.k[i], kv, sq, sq.kbeg + i * KT, ref, lr, sub);
+      fetch_refs<2>(ref, sq, sq.kbeg + (i + 1) * KT, lr);
+    }
+    tile1_after_q = first - (early > 1 ? early : 1) == 1;
   }
 
   const int rg = warp % RG, kg = warp / RG, ra = 16 * rg + g;  // S role: rows ra, ra + 8
@@ -306,7 +334,7 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   for (int it = 0; it < ntiles; ++it) {
     const int buf = NSTAGE == 2 ? it & 1 : 0;
     const int kb = sq.kbeg + it * KT;
-    if (NSTAGE == 2 && it == 0 && ntiles > 1) cp_async_wait<1>();  // tile 1 may still be on its way
+    if (it == 0 && tile1_after_q) cp_async_wait<1>();  // tile 1 may still be on its way
     else cp_async_wait<0>();
     __syncthreads();  // tile it landed for all threads; every warp is done with tile it-1
     if (NSTAGE == 2 && it >= 1 && it + 1 < ntiles) {

@@ -230,16 +230,23 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def mla_project_cached(
     x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-    write_slots: torch.Tensor, rope_out: torch.Tensor | None = None,
+    write_slots: torch.Tensor, q_abs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_project` + the cache write through kernels (norms, then RoPE and the latent rows in one launch):
-    x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope] (written into `rope_out` when given); latent
-    rows land at kv_layer[write_slots]."""
+    x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope]; latent rows land at kv_layer[write_slots].
+    q_abs [T, h, C + rope] (the tree-attention kernel's absorbed query) when given: W_UKᵀ q_nope goes into its
+    first C columns, then RoPE writes q_rope into the rest. In that order RoPE is the kernel right before the
+    attention, which starts on the committed prefix as RoPE begins (programmatic dependent launch)."""
     from kernels.mla_rope import mla_rope
 
     q, kv, c = _projections(x, w, cfg, True)
+    q_nope = q[..., : cfg.qk_nope_head_dim]
+    rope_out = None
+    if q_abs is not None:
+        absorb_query(q_nope, w, cfg, q_abs)
+        rope_out = q_abs[..., cfg.kv_lora_rank:]
     q_rope = mla_rope(q, kv, c, cos.contiguous(), sin.contiguous(), kv_layer, write_slots.contiguous(), rope_out)
-    return q[..., : cfg.qk_nope_head_dim], q_rope
+    return q_nope, q_rope
 
 
 def mla_forward(
@@ -263,19 +270,19 @@ def mla_forward(
     `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA), and the
     projections of few rows (kernels/skinny_linear).
     """
-    # The tree-attention kernel reads the absorbed query [T, h, C + rope]: RoPE writes its rope columns.
+    # The tree-attention kernel reads the absorbed query [T, h, C + rope] = [W_UKᵀ q_nope ; rotated q_rope].
     q_abs = None if paged is None else x.new_empty(x.shape[0], w.q_b_proj.shape[0] // cfg.qk_head_dim,
                                                    cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    rope_out = None if q_abs is None else q_abs[..., cfg.kv_lora_rank:]
     if fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous():
-        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots, rope_out)
+        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots, q_abs)
     else:
         q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
         kv_layer[write_slots] = latent.to(kv_layer.dtype)
-        if rope_out is not None:
-            rope_out.copy_(q_rope)
+        if q_abs is not None:
+            absorb_query(q_nope, w, cfg, q_abs)
+            q_abs[..., cfg.kv_lora_rank:] = q_rope
     if paged is not None:
-        return project(attend_paged_kernel(q_nope, q_abs, w, cfg, *paged), w.o_proj, fused)
+        return project(attend_paged_kernel(q_abs, w, cfg, *paged), w.o_proj, fused)
     if isinstance(groups, RowKeys):
         return project(attend_rows(q_nope, q_rope, kv_layer, groups, w, cfg, explicit).to(x.dtype), w.o_proj, fused)
     attend = attend_explicit if explicit else attend_absorbed
@@ -287,22 +294,27 @@ def mla_forward(
     return project(out, w.o_proj, fused)
 
 
-def attend_paged_kernel(q_nope: torch.Tensor, q: torch.Tensor, w: MLAWeights, cfg: K2Config,
-                        kv_paged: torch.Tensor, plan) -> torch.Tensor:
-    """Absorbed MLA through kernels/mla_tree_attention: q [T, h, 576] = [W_UKᵀ q_nope ; q_rope] (the caller has
-    written the rotated q_rope into its last 64 columns; the absorption fills the first 512), o_lat [T, h, 512]
-    over the paged cache, then W_UV -> [T, h*v] (bf16, CUDA). Both absorptions are batched GEMMs over heads that
-    read and write [T, h, ·] through strided views (cuBLAS takes any row and batch stride), so no head-major
-    copies are made (K2.6: four ~2.2 us copies per layer before)."""
+def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torch.Tensor) -> None:
+    """q_abs[..., :C] = W_UKᵀ q_nope per head: a batched GEMM over heads that reads q_nope [T, h, nope] and writes
+    q_abs [T, h, C + rope] through strided views (cuBLAS takes any row and batch stride: no head-major copies)."""
+    heads, C = q_nope.shape[1], cfg.kv_lora_rank
+    if heads == 0:
+        return
+    w_uk = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, C)[:, : cfg.qk_nope_head_dim]
+    torch.matmul(q_nope.transpose(0, 1), w_uk, out=q_abs[..., :C].transpose(0, 1))  # [h, T, C]
+
+
+def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged: torch.Tensor,
+                        plan) -> torch.Tensor:
+    """Absorbed MLA through kernels/mla_tree_attention: q [T, h, 576] = [W_UKᵀ q_nope ; q_rope] (absorb_query and
+    RoPE wrote it), o_lat [T, h, 512] over the paged cache, then W_UV -> [T, h*v] (bf16, CUDA): a batched GEMM
+    over heads through strided views, as absorb_query (K2.6: four ~2.2 us head-major copies per layer before)."""
     from kernels.mla_tree_attention import mla_tree_attention
 
-    T, heads = q_nope.shape[:2]
+    T, heads = q.shape[:2]
     if heads == 0:  # a rank without heads (more ranks than heads): contributes nothing
-        return q_nope.new_zeros(T, 0)
-    C = cfg.kv_lora_rank
-    kv_b = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, C)
-    w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [h, nope, C], [h, v, C]
-    torch.matmul(q_nope.transpose(0, 1), w_uk, out=q[..., :C].transpose(0, 1))  # [h, T, C]
+        return q.new_zeros(T, 0)
+    w_uv = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim:]
     o_lat = mla_tree_attention(q, kv_paged, plan.page_table, plan.prefix_lens, plan.row_starts,
                                plan.tree_mask, plan.write_slots, cfg.softmax_scale)  # [T, h, C]
     out = o_lat.new_empty(T, heads, cfg.v_head_dim)
