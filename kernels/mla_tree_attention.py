@@ -46,8 +46,8 @@ CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config pick
 SPLITS = None  # split count forced by the bench; None: _split picks
 TMA = True  # mla_attn_wgmma loads whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
 PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
-# mla_attn (mma.sync configs) by programmatic dependent launch too: its whole-prefix tiles are issued before its
-# griddepcontrol.wait, overlapping the kernel before it (kernels/mla_rope, which triggers at its start).
+# mla_attn and mla_attn_wgmma by programmatic dependent launch too: whole-prefix tiles are issued before their
+# griddepcontrol.wait, overlapping the kernel before them (kernels/mla_rope, which triggers at its start).
 ATTN_PDL = True
 
 
@@ -147,7 +147,7 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
         rows = kv_cache.shape[0] * page_size
         args.append(_tensor_map(kv_cache.data_ptr(), rows, q.device.index or 0) if page_size % KT == 0 and TMA
                     else np.uint64(0))
-    launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem, pdl=ATTN_PDL and config != "wgmma")
+    launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem, pdl=ATTN_PDL)
     if splits > 1:
         # the merge kernel and the columns of a query row each of its blocks takes
         merge, cols = ("mla_merge32", 32) if T * h <= MERGE32_MAX_QUERIES else ("mla_merge", 128)

@@ -217,20 +217,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);
+  // The first one or two tiles go before the loop. Those by TMA (wholly committed prefix) are issued before
+  // griddepcontrol.wait: no kernel of a step writes committed keys (mla_rope writes the tree rows' slots), so under
+  // programmatic dependent launch their latency overlaps the kernel before this one. Q and the cp.async tiles
+  // wait for it. Commit groups: [TMA tiles' (empty) groups] [Q (+ tile 0)] [tile 1].
+  // In the loop warpgroup 1 copies rows 0..47 of a tile (three per thread, 16 apart), warpgroup 0 rows 48..63
+  // (one per thread) after issuing its wgmmas; thread 128 issues TMA tiles.
+  const int first = ntiles > 1 ? 2 : 1;
+  const int early = by_tma(tmap, sq.kbeg, vis_end) + (first == 2 && by_tma(tmap, sq.kbeg + KT, vis_end));
+  int ref2[2], ref1[3], ref0[1];  // key_refs: rows lr, lr + 32 (prologue); the loop's rows
+  fetch_refs<2>(ref2, sq, sq.kbeg, lr);
+  for (int i = 0; i < early; ++i) {
+    load_tile<2>(sm, i, kv, tmap, sq, sq.kbeg + i * KT, vis_end, ref2, lr, sub, tid == 0);
+    fetch_refs<2>(ref2, sq, sq.kbeg + (i + 1) * KT, lr);
+  }
+  pdl_wait();  // launched with PDL: q and the tree rows' latents are written after this
   for (int row = lr; row < 64; row += 32) {  // Q tile, zero rows past the sequence's queries
     const bool ok = sq.q0 + row < sq.q_end;
     copy_row_slabs(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
   }
-  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);
-  // In the loop warpgroup 1 copies rows 0..47 of a tile (three per thread, 16 apart), warpgroup 0 rows 48..63
-  // (one per thread) after issuing its wgmmas; thread 128 issues TMA tiles.
-  int ref2[2], ref1[3], ref0[1];  // key_refs: rows lr, lr + 32 (prologue); the loop's rows
-  fetch_refs<2>(ref2, sq, sq.kbeg, lr);
-  load_tile<2>(sm, 0, kv, tmap, sq, sq.kbeg, vis_end, ref2, lr, sub, tid == 0);  // commits Q with it
-  if (ntiles > 1) {
-    fetch_refs<2>(ref2, sq, sq.kbeg + KT, lr);
-    load_tile<2>(sm, 1, kv, tmap, sq, sq.kbeg + KT, vis_end, ref2, lr, sub, tid == 0);
+  if (early) cp_async_commit();  // Q's own group; else it goes with tile 0's
+  for (int i = early; i < first; ++i) {
+    load_tile<2>(sm, i, kv, tmap, sq, sq.kbeg + i * KT, vis_end, ref2, lr, sub, tid == 0);
+    fetch_refs<2>(ref2, sq, sq.kbeg + (i + 1) * KT, lr);
   }
+  const bool tile1_after_q = first - (early > 1 ? early : 1) == 1;  // tile 1's commit group is younger than Q's
   if (w == 1) fetch_refs<3, 16>(ref1, sq, sq.kbeg + 2 * KT, lr - 16);
   else fetch_refs<1>(ref0, sq, sq.kbeg + 2 * KT, 48 + lr);
 
@@ -242,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
   u32 parity = 0;  // bit st: the phase stage st's mbarrier completes next
   for (int it = 0; it < ntiles; ++it) {
     const int buf = it & 1, kb = sq.kbeg + it * KT;
-    if (it == 0 && ntiles > 1) cp_async_wait<1>();
+    if (it == 0 && tile1_after_q) cp_async_wait<1>();
     else cp_async_wait<0>();
     if (by_tma(tmap, kb, vis_end)) mbar_wait(&sm.bar[buf], parity >> buf & 1), parity ^= 1u << buf;
     fence_async_smem();

@@ -265,13 +265,14 @@ def test_mla_tree_attention_back_to_back(graph, pdl, monkeypatch):
 @pytest.mark.parametrize("graph", [False, True])
 def test_mla_tree_attention_right_after_rope(graph, monkeypatch):
     """kernels/mla_rope, which triggers its dependents at its start, right before the tree attention, launched with
-    PDL (its whole-prefix tiles are read before its griddepcontrol.wait): the attention must see the rope columns
-    of q and the tree rows' latents that mla_rope writes, eagerly and from a graph replayed on new inputs. No
-    sync-every-launch fixture: that would hide a missing wait."""
+    PDL (whole-prefix tiles are read before its griddepcontrol.wait; the mma.sync kernels and, on sm_90, wgmma):
+    the attention must see the rope columns of q and the tree rows' latents that mla_rope writes, eagerly and from
+    a graph replayed on new inputs. No sync-every-launch fixture: that would hide a missing wait."""
     from kernels.mla_rope import mla_rope
 
     monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
-    cases = [mla_case(r, p, 10, 64, seed=i) for i, (r, p) in enumerate([([1], [40000]), ([3], [5000]), ([2], [130])])]
+    cases = [mla_case(r, p, 10, 64, seed=i) for i, (r, p) in  # decode, trees of 3 and 2 rows, one on wgmma (80 queries)
+             enumerate([([1], [40000]), ([3], [5000]), ([2], [130]), ([8], [9000])])]
     g = torch.Generator("cuda").manual_seed(0)
 
     def rope_inputs(T: int):  # q [T, h, nope + rope], kv_a [T, 576], latent [T, 512], cos / sin [T, 32]
