@@ -3,11 +3,15 @@
 Also home of the random-input builders the GPU tests share (K2.6-shaped experts, paged MLA batches).
 Times are medians of CUDA-graph replays timed with events (host launch cost excluded); bytes are the
 fewest each kernel must move (packed weights + scales of the experts it touches, keys once, inputs
-and outputs); the copy ceiling is a 2 GiB device-to-device copy measured in the same run.
+and outputs); the copy ceiling is a 2 GiB device-to-device copy measured in the same run. Each row also
+gives its rate as a fraction of a plain stream that moves the same bytes (`same_size_stream`): small launches
+cannot reach the 2 GiB copy's rate, whatever they do, and that column shows how far a pure stream of their size
+gets.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -151,11 +155,25 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return 2 * a.numel() / t
 
 
+@functools.cache
+def same_size_stream(nbytes: int) -> float:
+    """Seconds of an elementwise kernel that moves `nbytes` (torch.neg over fp32: reads half, writes half), timed
+    as the kernels are: a CUDA graph of back-to-back launches over rotating buffers (>= 256 MB in all, so none is
+    read from L2). Not `copy_`: captured in a graph it becomes a memcpy node, which peaks at ~66 % of the 2 GiB
+    copy's rate on the H200 where this kernel reaches 100 % (docs/BENCHMARKS.md, "same-size stream")."""
+    half = max(16, -(-nbytes // 32) * 16)  # bytes read (= bytes written), a multiple of 16
+    pairs = max(2, min(32, -(-(256 << 20) // (2 * half))))
+    bufs = [(torch.randn(half // 4, device="cuda"), torch.empty(half // 4, device="cuda")) for _ in range(pairs)]
+    return gpu_time([lambda a=a, b=b: torch.neg(a, out=b) for a, b in bufs])
+
+
 def result_row(kernel: str, case: str, t: float, nbytes: float, copy_bw: float, t_ref: float | None,
                flops: float = 0.0) -> dict:
+    """One table row. copy_frac: bytes / time against the 2 GiB copy's rate; same_size_frac: against a plain
+    stream of the same bytes (same_size_stream), i.e. its time over this time."""
     return dict(kernel=kernel, case=case, us=t * 1e6, MB=nbytes / 1e6, GBs=nbytes / t / 1e9,
-                copy_frac=nbytes / t / copy_bw, TFLOPs=flops / t / 1e12,
-                ref_us=None if t_ref is None else t_ref * 1e6)
+                copy_frac=nbytes / t / copy_bw, same_size_frac=same_size_stream(int(nbytes)) / t,
+                TFLOPs=flops / t / 1e12, ref_us=None if t_ref is None else t_ref * 1e6)
 
 
 def bench_moe(copy_bw: float) -> list[dict]:
@@ -353,12 +371,14 @@ def main(preset: str = "k26", out: str | None = None, only: str | None = None) -
     for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_linear_bf16, bench_ddtree, bench_dflash):
         if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree / dflash
             rows += bench(bw)
-    print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} "
+    # %copy: of the 2 GiB copy's rate; %same: of a plain stream that moves the same bytes (same_size_stream)
+    print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'%same':>6} {'TFLOP/s':>8} "
           f"{'ref us':>10} {'x ref':>6}")
     for r in rows:
         ref = r["ref_us"]
         print(f"{r['kernel']:<20} {r['case']:<44} {r['us']:>9.1f} {r['MB']:>9.2f} {r['GBs']:>7.0f} "
-              f"{100 * r['copy_frac']:>5.0f}% {r['TFLOPs']:>8.1f} {ref:>10.1f} {ref / r['us']:>6.1f}"
+              f"{100 * r['copy_frac']:>5.0f}% {100 * r['same_size_frac']:>5.0f}% {r['TFLOPs']:>8.1f} {ref:>10.1f} "
+              f"{ref / r['us']:>6.1f}"
               + (f" {100 * r['roof_frac']:>4.0f}% roof" if "roof_frac" in r else ""))
     for r in rows:
         if "breakdown_us" in r:
