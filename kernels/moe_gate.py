@@ -107,6 +107,7 @@ __global__ void gate_select(const float* __restrict__ scores, const float* __res
                              int K, float scale, int renormalize, i64* __restrict__ ids,
                              float* __restrict__ weights) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+  pdl_trigger();  // moe_route (PDL) may become resident; it waits for this grid before reading ids
   pdl_wait();  // launched with PDL: the logits kernel's output is complete and visible after this
   if (row >= Tn) return;
   const float* s = scores + (i64)row * E;

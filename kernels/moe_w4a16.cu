@@ -2,9 +2,10 @@
 // Launches: moe_route (group pairs by local expert, zero the arrival counters) -> moe_gemm<0>
 // (gate/up + SiLU·up -> act) -> moe_gemm<1> (down -> y per pair; for T <= fuse_t the last block of
 // each 16-row output tile also does the combine) -> moe_combine (Σ_k w·y per token, only T > fuse_t).
-// The two GEMMs are launched with programmatic dependent launch (PDL): gate/up blocks become resident
-// while moe_route runs and wait for it at their start; down blocks become resident while gate/up
-// runs, stream their first weight stages, and wait for gate/up only before their first read of act.
+// moe_route and the two GEMMs are launched with programmatic dependent launch (PDL): moe_route waits for
+// the router's ids; gate/up blocks become resident while moe_route runs and wait for it at their start;
+// down blocks become resident while gate/up runs, stream their first weight stages, and wait for gate/up
+// only before their first read of act.
 //
 // GEMM tiling: a block owns 16 output rows of one expert (both gate and up rows in mode 0) and one
 // work item's tokens (up to 8*NT of the expert's; an expert with more has one item per 8*NT, in
@@ -39,8 +40,11 @@ extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int 
   pdl_trigger();  // the gate/up blocks may become resident now; they wait for this grid to finish
   extern __shared__ int cnt[];  // [E] counts, then [E] cursors
   int* cur = cnt + E;
-  for (int i = threadIdx.x; i < ncnt; i += blockDim.x) counters[i] = 0;
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  // Launched with PDL (when the launcher's PDL is on): topk_ids is complete after this. No global write
+  // before it: this call's workspace may be memory the allocator took back from a kernel still running.
+  pdl_wait();
+  for (int i = threadIdx.x; i < ncnt; i += blockDim.x) counters[i] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     i64 e = topk_ids[p] - first;

@@ -19,9 +19,10 @@ checkpoint layout above (no repack): ldmatrix hands each lane its word of a 16-b
 Launches: moe_route (pairs grouped by local expert into work items of up to 8·NT tokens each: an expert
 with more tokens gets several items, which run in parallel block rows and read its weights from DRAM
 about once), gate/up, down (+ combine fused into its last block per 16-row output tile when
-T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. With `PDL` (on by default) gate/up
-and down use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
-gate/up waits for moe_route at its start, down streams its first weight stages before it waits for act.
+T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. With `PDL` (on by default) moe_route
+and the two GEMMs use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
+moe_route waits for the router's ids after zeroing its shared counts, gate/up waits for moe_route at its
+start, down streams its first weight stages before it waits for act.
 Once enough experts are active, a block streams two 16-row tiles (GATE_UP_TPB, DOWN_TPB), half its warps
 on each, so every warp's cp.async stream runs twice as long; the kernel decides from the active count.
 Optionally (SPLIT_MAX > 1, off by default: slower on the H200) the gate/up K is split over blocks for
@@ -110,7 +111,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
     first = np.int64(experts.first)
     launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, 8 * nt, offsets, order, items, num_items,
-           counters, counters.numel(), smem=8 * E)
+           counters, counters.numel(), smem=8 * E, pdl=PDL)
     slots = 2 * device_limits(dev.index if dev.index is not None else torch.cuda.current_device()).sms
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
