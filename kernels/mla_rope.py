@@ -41,6 +41,7 @@ __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, cons
                          const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R,
                          int kv_ld, i64 out_t, i64 out_h) {
   pdl_trigger();  // the tree-attention kernel after it may start on the committed prefix; it waits for our writes
+  pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
   const int t = blockIdx.x, half = R / 2;
   const float* ct = cos + (i64)t * half;
   const float* sn = sin + (i64)t * half;
@@ -54,6 +55,7 @@ __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, cons
   }
 }
 """
+PDL = True  # launched by programmatic dependent launch: resident while the kernel before it finishes
 _TYPE = {torch.float32: "float", torch.bfloat16: "u16"}
 NAMES = tuple(f"mla_rope<{t}>" for t in _TYPE.values())
 
@@ -78,7 +80,7 @@ def mla_rope(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tens
     if T:
         ker = get_kernels(cuda_source(CODE), NAMES)[f"mla_rope<{_TYPE[q.dtype]}>"]
         launch(ker, T, 128, q, kv, c, cos, sin, cache, slots, q_rope, h, D, C, R, kv.stride(0),
-               np.int64(q_rope.stride(0)), np.int64(q_rope.stride(1)))
+               np.int64(q_rope.stride(0)), np.int64(q_rope.stride(1)), pdl=PDL)
     return q_rope
 
 

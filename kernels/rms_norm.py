@@ -66,6 +66,7 @@ template <typename T>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ cos,
                          const T* __restrict__ sin, T* __restrict__ out, int N, int D, int heads, float eps) {
   pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
+  pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
   const T* xr = x + (i64)row * D;
@@ -101,6 +102,7 @@ template <typename T, int MAXV>
 __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delta, const T* __restrict__ w,
                              T* __restrict__ out, T* __restrict__ h_out, int D, int ld, float eps) {
   pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
+  pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, nv = D / VW;
@@ -155,6 +157,7 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delt
   }
 }
 """
+PDL = True  # launched by programmatic dependent launch: resident while the kernel before it finishes
 VEC_CHUNKS = 4  # rms_norm_vec's MAXV: 16-byte chunks per thread, so rows up to 4·16·1024 bytes (32768 bf16)
 NAMES = ("rms_norm<float>", "rms_norm<u16>", f"rms_norm_vec<float, {VEC_CHUNKS}>", f"rms_norm_vec<u16, {VEC_CHUNKS}>")
 ELEMS_PER_WARP = 512  # a row gets one warp per 512 elements, 1 to 8 (H200: a 7168-wide row in 17 us as one warp)
@@ -186,7 +189,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
     none = np.uint64(0)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm<{_TYPE[x.dtype]}>"]
     launch(ker, N, 32 * _warps(D), x, weight, none if cos is None else cos, none if sin is None else sin,
-           out, N, D, heads, float(eps))
+           out, N, D, heads, float(eps), pdl=PDL)
     return out
 
 
@@ -228,7 +231,7 @@ def _launch_vec(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     none = np.uint64(0)
     launch(get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], out.numel() // D,
            32 * warps, x, none if delta is None else delta, weight, out, none if h_out is None else h_out, D, ld,
-           float(eps))
+           float(eps), pdl=PDL)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:

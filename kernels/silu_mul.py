@@ -27,6 +27,7 @@ __device__ __forceinline__ float rnd(float v, const u16*) { return bf2f(f2bf(v))
 template <typename T, int VW>
 __global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int I) {
   pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
+  pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
   const int t = blockIdx.x, i = VW * (blockIdx.y * blockDim.x + threadIdx.x);
   if (i >= I) return;
   const T* g = gu + (i64)t * 2 * I + i;
@@ -52,6 +53,7 @@ __global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int I) {
 _TYPE = {torch.float32: "float", torch.bfloat16: "u16"}
 NAMES = ("silu_mul<float, 4>", "silu_mul<float, 1>", "silu_mul<u16, 8>", "silu_mul<u16, 1>")
 THREADS = 128
+PDL = True  # launched by programmatic dependent launch: resident while the kernel before it finishes
 
 
 def fits(gate_up: torch.Tensor) -> bool:
@@ -69,7 +71,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if (I * gate_up.element_size()) % 16 or gate_up.data_ptr() % 16:
         vw = 1
     ker = get_kernels(cuda_source(CODE), NAMES)[f"silu_mul<{_TYPE[gate_up.dtype]}, {vw}>"]
-    launch(ker, (T, -(-I // (vw * THREADS))), THREADS, gate_up, out, I)
+    launch(ker, (T, -(-I // (vw * THREADS))), THREADS, gate_up, out, I, pdl=PDL)
     return out
 
 
