@@ -114,7 +114,8 @@ __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 // cluster's blocks in rank order (distributed shared memory), + add, rounded once, stored where m < M, row < N.
 template <int NT, typename OutT>
 __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* red, float4* sums, int rank, int CS,
-                                            const u16* add, OutT* out, int M, int N, int row0, int sigmoid) {
+                                            const u16* add, OutT* out, int M, int N, int ldo, int row0,
+                                            int sigmoid) {
   const int lane = threadIdx.x, warp = threadIdx.y, NW = blockDim.y, tid = warp * 32 + lane;
   __syncthreads();  // every warp is done with its ring: reuse it
 #pragma unroll
@@ -142,7 +143,7 @@ __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* r
     for (int j = 0; j < 4; ++j) {
       const int m = 8 * n + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
       if (m >= M || row >= N) continue;
-      const i64 o = (i64)m * N + row;
+      const i64 o = (i64)m * ldo + row;
       const float r = add ? val[j] + bf2f(add[o]) : val[j];
       store_out(out + o, sigmoid ? 1.f / (1.f + expf(-r)) : r);
     }
@@ -150,19 +151,20 @@ __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* r
   cluster_sync();  // no block leaves while another still reads its sums
 }
 
-// Grid: (tiles·CS, ceil(M / 8·NT)) blocks in clusters of CS along x (blockIdx.x = tile·CS + rank; blockIdx.y = row
-// block, rows 8·NT·y ..); block (32, NW). Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp
+// Grid: (tiles·CS, ceil(M / 8·NT), batch) blocks in clusters of CS along x (blockIdx.x = tile·CS + rank; blockIdx.y =
+// row block, rows 8·NT·y ..; blockIdx.z = batch item b: x + b·bx, w + b·bw, out + b·bo); block (32, NW). Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp
 // reduction: NW·NT·512 B) + NT·512 B block sums. Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned.
-// add: null, or bf16 [M, N] (OutT = u16 only). sigmoid != 0: out = 1 / (1 + e^-y) (the MoE router's scores; each
+// out's rows are ldo apart. add: null, or bf16 [M, N] with row stride ldo (OutT = u16 only). sigmoid != 0: out = 1 / (1 + e^-y) (the MoE router's scores; each
 // element once, over every block's threads).
 template <int NT, typename OutT>
 __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, int ldx, const u16* __restrict__ w,
                                                    const u16* add, OutT* out, int M, int N, int K, int CS,
-                                                   int sigmoid) {
+                                                   int sigmoid, int ldo, i64 bx, i64 bw, i64 bo) {
   constexpr int STAGE = (16 + 8 * NT) * 128;
   extern __shared__ __align__(16) unsigned char smem[];
   const i64 m0 = (i64)blockIdx.y * 8 * NT;  // this block's first row
-  x += m0 * ldx, out += m0 * N, add = add ? add + m0 * N : add, M = min(M - (int)m0, 8 * NT);
+  x += blockIdx.z * bx + m0 * ldx, w += blockIdx.z * bw, out += blockIdx.z * bo + m0 * ldo;
+  add = add ? add + blockIdx.z * bo + m0 * ldo : add, M = min(M - (int)m0, 8 * NT);
   const int warp = threadIdx.y, NW = blockDim.y;
   const int rank = (int)cluster_rank(), row0 = (blockIdx.x / CS) * 16;
   const int chunks = (K + SG_CHUNK - 1) / SG_CHUNK, slot = rank * NW + warp, stride = CS * NW;
@@ -172,5 +174,5 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
                   stride, nch);
   pdl_trigger();  // a PDL successor may start; it waits for this grid before reading out
   finish_tile<NT, OutT>(acc, reinterpret_cast<float4*>(smem), reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE),
-                  rank, CS, add, out, M, N, row0, sigmoid);
+                  rank, CS, add, out, M, N, ldo, row0, sigmoid);
 }

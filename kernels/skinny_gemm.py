@@ -1,6 +1,7 @@
 """bf16 y = x Wᵀ (+ add) for the few rows of a decode or tree-verify step, on tensor cores, one launch.
 
-    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16, sigmoid=False) -> y   (into `add` when given)
+    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16, sigmoid=False, out=None) -> y
+                                                                    (into `add` or `out` when given)
 
 x       [M, K] bf16, rows 16-byte aligned (any such row stride), K % 8 == 0. Any M; `fits` (the projections'
         test) takes M <= max_rows(N) (16 or 32), where the kernel beats cuBLAS. Beyond MAX_ROWS the rows go in
@@ -11,6 +12,10 @@ y       [M, N] bf16, or fp32 (out_dtype=torch.float32, no add: the router's logi
         bf16 products, like F.linear(x.float(), weight.float()) up to the order of the sums); sigmoid (fp32 only):
         1 / (1 + e^-y), the router's scores, in the epilogue, where every block's threads share the 384 of a row
         (in kernels/moe_gate's one-warp select the same took ~5 us, H200)
+
+Batched: x [B, M, K], weight [B, N, K], y [B, M, N] (`out` may be a strided view, rows 1 element apart inside a
+row): one launch for B products, blockIdx.z = b; any batch strides, x's and y's row strides as above (MLA's W_UV
+over heads reads o_lat [T, h, C] and writes [T, h, v] through transposed views). No add then.
 
 Why: at 1-32 rows every dense projection of a K2.6 layer is a weight stream (~70 MB a layer and rank). cuBLAS
 took ~37 us a MoE layer for ~17 us of bytes (H200), whatever the rows, with split-K GEMMs and a reduce
@@ -41,12 +46,17 @@ CONFIG: tuple[int, int] | None = None  # force (warps, cluster size) (tests, ben
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, any_rows: bool = False) -> bool:
-    """Whether skinny_gemm takes these operands, at up to max_rows(N) rows (else use F.linear) or any."""
-    return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
-            and 0 < x.shape[0] and (any_rows or x.shape[0] <= max_rows(weight.shape[0], _sms(x)))
-            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
-            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-            and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+    """Whether skinny_gemm takes these operands (2-D, or batched 3-D), at up to max_rows(N) rows (else use
+    F.linear / torch.matmul) or any."""
+    batched = x.dim() == 3 and weight.dim() == 3 and x.shape[0] == weight.shape[0] > 0
+    if not (batched or x.dim() == weight.dim() == 2):
+        return False
+    M, K, N = x.shape[-2], x.shape[-1], weight.shape[-2]
+    return (x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and 0 < M
+            and (any_rows or M <= max_rows(N, _sms(x))) and weight.shape[-1] == K and K % 8 == 0
+            and x.stride(-1) == 1 and all(st % 8 == 0 for st in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+            and weight.stride(-1) == 1 and weight.stride(-2) == K and all(st % 8 == 0 for st in weight.stride()[:-1])
+            and weight.data_ptr() % 16 == 0)
 
 
 def max_rows(n: int, sms: int) -> int:
@@ -87,30 +97,37 @@ def _sms(x: torch.Tensor) -> int:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     assert fits(x, weight, any_rows=True), (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, weight.dtype)
-    M, K = x.shape
-    N = weight.shape[0]
-    if add is None:
-        out = x.new_empty(M, N, dtype=out_dtype)
-    else:
+    B, (M, K), N = (x.shape[0] if x.dim() == 3 else 1), x.shape[-2:], weight.shape[-2]
+    shape = (*x.shape[:-2], M, N)
+    if add is not None:
+        assert x.dim() == 2 and out is None, "add: 2-D only, and it is the output"
         assert add.dtype == out_dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), add.shape
         out = add
+    elif out is None:
+        out = x.new_empty(shape, dtype=out_dtype)
+    assert out.shape == shape and out.dtype == out_dtype and out.stride(-1) == 1, (out.shape, out.stride())
     assert not sigmoid or out_dtype == torch.float32, "the sigmoid epilogue writes fp32"
     lim = device_limits(x.device.index)
     warps, cs = CONFIG or pick_config(N, K, lim.sms, lim.smem_block)
     nt = min(-(-M // 8), MAX_NT)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}, {_OUT[out_dtype]}>"]
     add_ptr = np.uint64(0) if add is None else add  # null: no add
-    launch(ker, (-(-N // 16), -(-M // (8 * nt))), (32, warps), x, x.stride(0), weight, add_ptr, out, M, N, K, cs,
-           int(sigmoid), smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
+    batch = [np.int64(t.stride(0) if t.dim() == 3 else 0) for t in (x, weight, out)]  # elements per batch item
+    launch(ker, (-(-N // 16), -(-M // (8 * nt)), B), (32, warps), x, x.stride(-2), weight, add_ptr, out, M, N, K, cs,
+           int(sigmoid), out.stride(-2), *batch, smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False) -> torch.Tensor:
-    """fp64 product (+ add) (sigmoid of it), rounded once to out_dtype: the kernel differs only by its fp32 sums."""
-    y = x.double() @ weight.double().T
+                    out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 product (+ add) (sigmoid of it), rounded once to out_dtype: the kernel differs only by its fp32 sums.
+    2-D or batched 3-D like skinny_gemm; written into `out` when given, and returned (`add` is left as it is)."""
+    y = x.double() @ weight.double().transpose(-1, -2)
     if add is not None:
         y += add.double()
-    return (y.sigmoid() if sigmoid else y).to(out_dtype)
+    y = (y.sigmoid() if sigmoid else y).to(out_dtype)
+    return y if out is None else out.copy_(y)

@@ -124,6 +124,28 @@ def test_skinny_gemm_chain_in_a_graph():
     assert torch.equal(static_out, chain(x2))
 
 
+@pytest.mark.parametrize("T", [1, 3, 16, 32])
+def test_skinny_gemm_batched_over_heads(T):
+    """MLA's W_UV over heads in one launch, through transposed views: o_lat [T, h, C] -> [h, T, C], W_UV = the
+    value rows of kv_b [h, nope + v, C] -> [h, v, C] (batch stride (nope + v)·C), out [T, h, v] -> [h, T, v]. Each
+    head: the exact product to one rounding, written in place, and the bits of the 2-D launch on that head's
+    contiguous operands (same weight shape, same split)."""
+    h, C, nope, v = 10, 512, 128, 128
+    g = torch.Generator("cuda").manual_seed(T)
+    o_lat = torch.randn(T, h, C, generator=g, device="cuda").bfloat16()
+    kv_b = (torch.randn(h, nope + v, C, generator=g, device="cuda") / C**0.5).bfloat16()
+    x, w = o_lat.transpose(0, 1), kv_b[:, nope:]
+    out = torch.full((T, h, v), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert fits(x, w) and not fits(x, w.transpose(1, 2))
+    got = skinny_gemm(x, w, out=out.transpose(0, 1))
+    assert got.data_ptr() == out.data_ptr() and got.shape == (h, T, v)
+    for head in range(h):
+        assert_close(out[:, head], x[head], w[head])
+        assert torch.equal(out[:, head], skinny_gemm(x[head].contiguous(), w[head].contiguous())), head
+    ref = skinny_gemm_ref(x, w, out=torch.empty_like(out).transpose(0, 1))
+    assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-3).all()  # the reference agrees
+
+
 def test_skinny_gemm_fits_and_project():
     """What the model's projection falls back to cuBLAS for; project() routes bf16 few-row products here."""
     x, w, add = operands(MAX_ROWS, 64, 128, 5)
