@@ -401,9 +401,10 @@ def test_runner_warm_up_captures_every_graph_before_serving(tmp_path):
     assert rel < 1e-4, f"warmed-up graph runner vs eager runner: {rel:.3e} relative (fp32)"
 
 
+@pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("split", [None, (0, 7)])
-def test_moe_side_stream_equals_one_stream(split, monkeypatch):
-    """A one-row MoE layer with the routed experts on the side stream (SIDE_STREAM_MAX_ROWS) gives the bits of
+def test_moe_side_stream_equals_one_stream(split, rows, monkeypatch):
+    """A MoE layer of 1 or 16 rows with the routed experts on the side stream (SIDE_STREAM_MAX_ROWS) gives the bits of
     the one-stream order, eagerly and replayed from a CUDA graph that forks and joins the side stream, with
     the shared expert replicated or split over ranks (its down projection adds into the routed sum)."""
     from verifier_service import moe
@@ -414,14 +415,14 @@ def test_moe_side_stream_equals_one_stream(split, monkeypatch):
     w = random_target(cfg, experts=range(0, 55), heads=range(0, 10), split=Split(*split) if split else None)
     layer = w.layers[1].mlp
     g = torch.Generator("cuda").manual_seed(3)
-    xs = [torch.randn(1, cfg.hidden_size, generator=g, device="cuda").bfloat16() for _ in range(3)]
+    xs = [torch.randn(rows, cfg.hidden_size, generator=g, device="cuda").bfloat16() for _ in range(3)]
 
     def forward(x):
         return moe.moe_forward(x, layer, cfg, lambda t: t, use_kernel=True)
 
     monkeypatch.setattr(moe, "SIDE_STREAM_MAX_ROWS", 0)
     want = [forward(x) for x in xs]
-    monkeypatch.setattr(moe, "SIDE_STREAM_MAX_ROWS", 1)
+    monkeypatch.setattr(moe, "SIDE_STREAM_MAX_ROWS", rows)
     for x, ref in zip(xs, want):
         assert torch.equal(forward(x), ref)
     static = xs[0].clone()
