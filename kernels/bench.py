@@ -155,14 +155,21 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return 2 * a.numel() / t
 
 
+def copies_past_l2(nbytes: int) -> int:
+    """How many copies of an `nbytes` working set rotating calls need (>= 2, >= 256 MB in all) so that none is
+    read from the 60 MB L2 left by the calls before it: weights come from HBM, as in a 61-layer step."""
+    return max(2, -(-(256 << 20) // nbytes))
+
+
 @functools.cache
 def same_size_stream(nbytes: int) -> float:
     """Seconds of an elementwise kernel that moves `nbytes` (torch.neg over fp32: reads half, writes half), timed
-    as the kernels are: a CUDA graph of back-to-back launches over rotating buffers (>= 256 MB in all, so none is
-    read from L2). Not `copy_`: captured in a graph it becomes a memcpy node, which peaks at ~66 % of the 2 GiB
+    as the kernels are: a CUDA graph of back-to-back launches over rotating buffers (copies_past_l2, at most 32
+    pairs: below 8 MB moved they total less than 256 MB and some may come from L2, which can only flatter the
+    stream). Not `copy_`: captured in a graph it becomes a memcpy node, which peaks at ~66 % of the 2 GiB
     copy's rate on the H200 where this kernel reaches 100 % (docs/BENCHMARKS.md, "same-size stream")."""
     half = max(16, -(-nbytes // 32) * 16)  # bytes read (= bytes written), a multiple of 16
-    pairs = max(2, min(32, -(-(256 << 20) // (2 * half))))
+    pairs = min(32, copies_past_l2(2 * half))
     bufs = [(torch.randn(half // 4, device="cuda"), torch.empty(half // 4, device="cuda")) for _ in range(pairs)]
     return gpu_time([lambda a=a, b=b: torch.neg(a, out=b) for a, b in bufs])
 
@@ -349,7 +356,7 @@ def bench_linear_bf16(copy_bw: float) -> list[dict]:
 
     rows, lim = [], device_limits(torch.cuda.current_device())
     for N, K in GEMM_CASES:
-        ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(max(2, -(-(256 << 20) // (2 * N * K))))]
+        ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(copies_past_l2(2 * N * K))]
         for M in (m for m in (1, 8, 16, 24, 32) if m <= max_rows(N, lim.sms)):
             xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(len(ws))]
             t = gpu_time([lambda x=x, w=w: skinny_gemm(x, w) for x, w in zip(xs, ws)])
