@@ -10,7 +10,8 @@ import pytest
 import torch
 from model_fixtures import new_cache, prefill, single_thread, tiny_dir, tiny_model  # noqa: F401
 
-from verifier_service.mla import MLAWeights, attend_absorbed, attend_explicit, mla_forward, mla_project
+from verifier_service.mla import (MLAWeights, attend_absorbed, attend_explicit, mla_forward, mla_project,
+                                  uk_transposed)
 from verifier_service.model_config import K2Config
 from verifier_service.plan import KeyGroup
 from verifier_service.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -84,6 +85,19 @@ K26_ROPE = {
     "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
 }
+
+
+def test_uk_transposed_is_w_uk_per_head(tiny_model):
+    """uk_transposed [h, C, nope]: head h's W_UK (rows h·(nope + v) .. + nope of kv_b) with the input dimension
+    last, so q_nope · W_UK[h] = q_nope · uk_t[h]ᵀ. Checked against the explicit per-head slice of kv_b."""
+    cfg, w, q_nope = _attention_inputs(tiny_model)[:3]
+    uk_t = uk_transposed(w, cfg)
+    heads, step = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim
+    assert uk_t.shape == (heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim) and uk_t.is_contiguous()
+    for h in range(heads):
+        w_uk = w.kv_b_proj[h * step: h * step + cfg.qk_nope_head_dim]  # [nope, C]
+        assert torch.equal(uk_t[h], w_uk.T)
+        assert torch.allclose(q_nope[:, h] @ uk_t[h].T, q_nope[:, h] @ w_uk, rtol=1e-5, atol=1e-6)
 
 
 def test_yarn_numbers_for_k26(tiny_dir):

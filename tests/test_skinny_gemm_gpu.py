@@ -3,6 +3,8 @@ across batch sizes, cluster splits, graphs and programmatic dependent launch."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -144,6 +146,29 @@ def test_skinny_gemm_batched_over_heads(T):
         assert torch.equal(out[:, head], skinny_gemm(x[head].contiguous(), w[head].contiguous())), head
     ref = skinny_gemm_ref(x, w, out=torch.empty_like(out).transpose(0, 1))
     assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-3).all()  # the reference agrees
+
+
+@pytest.mark.parametrize("T", [1, 16, 17])
+def test_absorb_query_on_skinny_gemm(T):
+    """MLA's W_UK absorption with the load-time transposed weight (mla.uk_transposed): q_nope is a column block
+    of q [T, h, nope + rope], the output the first C columns of q_abs [T, h, C + rope], both through transposed
+    views. Up to UV_SKINNY_MAX_ROWS rows skinny_gemm runs it (T = 17: cuBLAS); either way the exact product to
+    one rounding per head, and the rope columns stay untouched."""
+    from verifier_service import mla
+    from verifier_service.synthetic import k26_config
+
+    cfg = k26_config(1)
+    h, nope, rope, C, v = 10, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    g = torch.Generator("cuda").manual_seed(T)
+    kv_b = (torch.randn(h * (nope + v), C, generator=g, device="cuda") / nope**0.5).bfloat16()
+    q = torch.randn(T, h, nope + rope, generator=g, device="cuda").bfloat16()
+    q_abs = torch.full((T, h, C + rope), float("nan"), device="cuda", dtype=torch.bfloat16)
+    weights = SimpleNamespace(kv_b_proj=kv_b)  # all that the absorption reads of MLAWeights
+    mla.absorb_query(q[..., :nope], weights, cfg, q_abs, mla.uk_transposed(weights, cfg))
+    assert q_abs[..., C:].isnan().all()
+    w_uk = kv_b.view(h, nope + v, C)[:, :nope]  # [h, nope, C]
+    for head in range(h):
+        assert_close(q_abs[:, head, :C], q[:, head, :nope], w_uk[head].T)
 
 
 def test_skinny_gemm_fits_and_project():

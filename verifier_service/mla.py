@@ -230,20 +230,21 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def mla_project_cached(
     x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-    write_slots: torch.Tensor, q_abs: torch.Tensor | None = None,
+    write_slots: torch.Tensor, q_abs: torch.Tensor | None = None, w_uk_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_project` + the cache write through kernels (norms, then RoPE and the latent rows in one launch):
     x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope]; latent rows land at kv_layer[write_slots].
     q_abs [T, h, C + rope] (the tree-attention kernel's absorbed query) when given: W_UKᵀ q_nope goes into its
     first C columns, then RoPE writes q_rope into the rest. In that order RoPE is the kernel right before the
-    attention, which starts on the committed prefix as RoPE begins (programmatic dependent launch)."""
+    attention, which starts on the committed prefix as RoPE begins (programmatic dependent launch). w_uk_t: see
+    absorb_query."""
     from kernels.mla_rope import mla_rope
 
     q, kv, c = _projections(x, w, cfg, True)
     q_nope = q[..., : cfg.qk_nope_head_dim]
     rope_out = None
     if q_abs is not None:
-        absorb_query(q_nope, w, cfg, q_abs)
+        absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
         rope_out = q_abs[..., cfg.kv_lora_rank:]
     q_rope = mla_rope(q, kv, c, cos.contiguous(), sin.contiguous(), kv_layer, write_slots.contiguous(), rope_out)
     return q_nope, q_rope
@@ -261,6 +262,7 @@ def mla_forward(
     explicit: bool,
     paged: tuple | None = None,
     fused: bool = False,
+    w_uk_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> this rank's partial attention output [T, H] (all-reduce over heads follows).
 
@@ -268,18 +270,18 @@ def mla_forward(
     `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form);
     `groups` = RowKeys selects the sync-free batched path, a list of KeyGroups the per-session reference.
     `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA), and the
-    projections of few rows (kernels/skinny_linear).
+    projections of few rows (kernels/skinny_linear). `w_uk_t`: W_UK transposed per head (see absorb_query).
     """
     # The tree-attention kernel reads the absorbed query [T, h, C + rope] = [W_UKᵀ q_nope ; rotated q_rope].
     q_abs = None if paged is None else x.new_empty(x.shape[0], w.q_b_proj.shape[0] // cfg.qk_head_dim,
                                                    cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     if fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous():
-        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots, q_abs)
+        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots, q_abs, w_uk_t)
     else:
         q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
         kv_layer[write_slots] = latent.to(kv_layer.dtype)
         if q_abs is not None:
-            absorb_query(q_nope, w, cfg, q_abs)
+            absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
             q_abs[..., cfg.kv_lora_rank:] = q_rope
     if paged is not None:
         return project(attend_paged_kernel(q_abs, w, cfg, *paged), w.o_proj, fused)
@@ -294,19 +296,36 @@ def mla_forward(
     return project(out, w.o_proj, fused)
 
 
-def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torch.Tensor) -> None:
+# Most rows whose per-head products (W_UV; W_UK given w_uk_t) run on kernels/skinny_gemm. H200, 61-layer step, W_UV
+# against cuBLAS: 1 row -0.5 %, 16 rows -1.2 %, 32 rows +0.6 %.
+UV_SKINNY_MAX_ROWS = 16
+
+
+def uk_transposed(w: MLAWeights, cfg: K2Config) -> torch.Tensor:
+    """W_UK per head as skinny_gemm's [N, K] weights: [h, C, nope] contiguous (a copy made at load: K2.6, 10 heads,
+    1.3 MB a layer). kv_b_proj holds it as [h, nope, C], the input dimension first."""
+    heads = w.kv_b_proj.shape[0] // (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    w_uk = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)[:, : cfg.qk_nope_head_dim]
+    return w_uk.transpose(1, 2).contiguous()
+
+
+def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torch.Tensor,
+                 w_uk_t: torch.Tensor | None = None) -> None:
     """q_abs[..., :C] = W_UKᵀ q_nope per head: a batched GEMM over heads that reads q_nope [T, h, nope] and writes
-    q_abs [T, h, C + rope] through strided views (cuBLAS takes any row and batch stride: no head-major copies)."""
+    q_abs [T, h, C + rope] through strided views (cuBLAS takes any row and batch stride: no head-major copies).
+    With w_uk_t (uk_transposed) and up to UV_SKINNY_MAX_ROWS rows: one kernels/skinny_gemm launch over heads."""
     heads, C = q_nope.shape[1], cfg.kv_lora_rank
     if heads == 0:
         return
+    x, out = q_nope.transpose(0, 1), q_abs[..., :C].transpose(0, 1)  # [h, T, nope], [h, T, C]
+    if w_uk_t is not None and x.shape[1] <= UV_SKINNY_MAX_ROWS:
+        from kernels import skinny_gemm
+
+        if skinny_gemm.fits(x, w_uk_t):
+            skinny_gemm.skinny_gemm(x, w_uk_t, out=out)
+            return
     w_uk = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, C)[:, : cfg.qk_nope_head_dim]
-    torch.matmul(q_nope.transpose(0, 1), w_uk, out=q_abs[..., :C].transpose(0, 1))  # [h, T, C]
-
-
-# Most rows whose W_UV runs on kernels/skinny_gemm (H200, 61-layer step against cuBLAS: 1 row -0.5 %, 16 rows -1.2 %,
-# 32 rows +0.6 %).
-UV_SKINNY_MAX_ROWS = 16
+    torch.matmul(x, w_uk, out=out)
 
 
 def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged: torch.Tensor,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.linear import project
-from verifier_service.mla import MLAWeights, add_rms_norm, mla_forward, rms_norm, row_keys
+from verifier_service.mla import MLAWeights, add_rms_norm, mla_forward, rms_norm, row_keys, uk_transposed
 from verifier_service.model_config import K2Config
 from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
                                   mlp, moe_forward)
@@ -101,6 +101,9 @@ class K2Model:
         self.sync_free = (use_kernels and self.device.type == "cuda") if sync_free is None else sync_free
         self.fused = use_kernels and self.device.type == "cuda"  # kernels/rms_norm, mla_rope, skinny_linear, silu_mul
         self.dense_experts = self._dense_experts() if self.sync_free else {}  # layer -> dense ExpertStack
+        # layer -> W_UK per head as [h, C, nope] (mla.uk_transposed): the absorption on kernels/skinny_gemm
+        self.uk_t = ({i: uk_transposed(layer.self_attn, cfg) for i, layer in enumerate(weights.layers)}
+                     if self.fused and self.dtype == torch.bfloat16 else {})
 
     @torch.inference_mode()
     def forward(
@@ -129,7 +132,7 @@ class K2Model:
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
             paged = (kv_cache[i], plan) if kernel_attn else None
             attn = mla_forward(a, layer.self_attn, cfg, cos, sin, kv_layer, plan.write_slots, groups,
-                               plan.explicit_mla, paged, self.fused)
+                               plan.explicit_mla, paged, self.fused, self.uk_t.get(i))
             # each residual add runs with the norm after it (one launch with the kernels)
             h, b = add_rms_norm(h, self.all_reduce(attn), layer.post_attention_layernorm, eps, self.fused)
             mlp_out = self._mlp(i, b, layer.mlp)
