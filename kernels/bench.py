@@ -27,6 +27,7 @@ K26 = dict(H=7168, I=2048, E=384, E_LOCAL=55, TOPK=8, HEADS=64, HEADS_RANK=10, L
 class Int4:  # what moe_w4a16 reads of verifier_service.int4.Int4Weight
     packed: torch.Tensor  # int32 [E, out, in/8]
     scale: torch.Tensor  # bf16 [E, out, in/32]
+    tiled: bool = True  # random draws: read as the tiled order moe_w4a16 takes
 
 
 @dataclass(frozen=True)

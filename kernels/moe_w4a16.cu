@@ -93,6 +93,12 @@ struct Stage {  // one warp's share of one pipeline stage
   u16 s[MT][16 * CG];    // bf16 scales, 16 rows x CG groups (8 B per row)
 };
 
+// Weights in the tiled order (verifier_service/int4.py: tile_int4): a 16-row tile's chunk c (128 inputs) is
+// TILE_CW contiguous words, [row][16 words], at tile + c·TILE_CW, and its scales TILE_CS contiguous bf16,
+// [row][4], at the scale tile + c·TILE_CS; a tile starts where its first row would in row order.
+#define TILE_CW (16 * CG * 4)
+#define TILE_CS (16 * CG)
+
 // One warp's cp.async ring over its K-slice of a 16-row tile (MT matrices): chunks gc = slot,
 // slot + stride, ... Lane copies 16-byte pieces (row lane/4 + 8j, group lane%4) of every matrix, j = 0,
 // 1, and lanes 0-15 the 8 bytes of row `lane`'s scales; sources advance by `stride` chunks per issue.
@@ -107,15 +113,15 @@ struct WeightRing {
   u32 ring_sh, st_issue, cp_w, cp_s;
 
   __device__ __forceinline__ void init(Stage<MT>* ring, const u32* const (&Wm)[MT], const u16* const (&Sm)[MT],
-                                       int KW, int KG, int slot, int stride) {
+                                       int slot, int stride) {
     const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      wsrc[m] = Wm[m] + (i64)g * KW + (slot * CG + t) * 4;
-      ssrc[m] = Sm[m] + (i64)(lane & 15) * KG + slot * CG;
+      wsrc[m] = Wm[m] + slot * TILE_CW + g * CG * 4 + t * 4;
+      ssrc[m] = Sm[m] + slot * TILE_CS + (lane & 15) * CG;
     }
-    wstep = (i64)8 * KW;
-    wadv = stride * CG * 4, sadv = stride * CG;
+    wstep = 8 * CG * 4;  // row g -> g + 8
+    wadv = stride * TILE_CW, sadv = stride * TILE_CS;
     ring_sh = st_issue = smem_addr(ring);
     cp_w = (g * ROWW + t * 4) * 4, cp_s = 16 * ROWW * 4 * MT + (lane & 15) * CG * 2;  // byte offsets
   }
@@ -375,7 +381,7 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
   WeightRing<MT> wring;
   // The weights depend on the expert only: their first stages go out now, and the dependent round
   // trips for the tokens (offsets -> order -> x) overlap their DRAM latency.
-  wring.init(ring, Wm, Sm, KW, KG, slot, stride);
+  wring.init(ring, Wm, Sm, slot, stride);
   wring.prologue(nch);
   const int off = offsets[e] + j0, n_e = min(offsets[e + 1] - off, 8 * NT);  // this item's rows
   const int ntv = min(NT, (n_e + 7) / 8);  // n-tiles with at least one real token (warp-uniform)

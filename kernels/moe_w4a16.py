@@ -6,16 +6,20 @@ Same signature as verifier_service.moe.moe_experts_ref, so the model switches wi
 
 x: bf16 [T, H]. topk_ids: int64 [T, k] global expert ids. topk_weights: fp32 [T, k] (router weights,
 already renormalized and scaled). experts: this rank's `ExpertStack` (duck-typed: `.first` and
-`.gate_proj/.up_proj/.down_proj`, each with `.packed` and `.scale`):
+`.gate_proj/.up_proj/.down_proj`, each with `.packed`, `.scale` and `.tiled`):
 
     gate_proj/up_proj.packed  int32 [E, I, H/8]   word j of a row = inputs 8j..8j+7, input 8j+i in bits
     down_proj.packed          int32 [E, H, I/8]   [4i, 4i+3] (LSB first), nibble = q + 8, q in [-8, 7]
     *.scale                   bf16  [E, out, in/32]  W[n, k] = q[n, k] * scale[n, k // 32]
 
+The kernel reads each matrix in the tiled order (`.tiled`, verifier_service/int4.py: tile_int4): the same
+shapes and words, each 16-row tile's 128-input chunks stored contiguously (1 KB of words, 128 B of scales),
+made once at load (the loader tiles as it reads; `Int4Weight.tile` for others). The reference reads either.
+
 Pairs routed to experts outside [first, first + E) contribute 0 (expert parallelism: ranks sum).
 Kernel: fp32 accumulation; gate/up/SiLU in fp32, act rounded to bf16 once; output bf16.
-Requires H % 128 == 0 and I % 128 == 0 (K is streamed in 128-input chunks). Weights stay in the
-checkpoint layout above (no repack): ldmatrix hands each lane its word of a 16-byte group piece.
+Requires H % 128 == 0 and I % 128 == 0 (K is streamed in 128-input chunks); ldmatrix hands each lane its
+word of a 16-byte group piece.
 Launches: moe_route (pairs grouped by local expert into work items of up to 8·NT tokens each: an expert
 with more tokens gets several items, which run in parallel block rows and read its weights from DRAM
 about once), gate/up, down (+ combine fused into its last block per 16-row output tile when
@@ -89,7 +93,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     for w, shape in ((gate, (E, I, H)), (up, (E, I, H)), (down, (E, H, I))):
         assert w.packed.dtype == torch.int32 and w.packed.shape == (*shape[:2], shape[2] // 8)
         assert w.scale.dtype == torch.bfloat16 and w.scale.shape == (*shape[:2], shape[2] // 32)
-        assert w.packed.is_contiguous() and w.scale.is_contiguous()
+        assert w.packed.is_contiguous() and w.scale.is_contiguous() and w.tiled, "moe_w4a16 reads tiled experts"
     assert H % CHUNK == 0 and I % CHUNK == 0, (H, I)
     assert GATE_UP_WARPS >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0  # block_sum: tiles per block x NT <= warps
     out = torch.empty_like(x)
@@ -129,11 +133,15 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts) -> torch.Tensor:
-    """fp32 torch reference: per local expert with tokens, exact fp32 dequantization, SwiGLU, weighted sum."""
+    """fp32 torch reference: per local expert with tokens, exact fp32 dequantization, SwiGLU, weighted sum.
+    Reads the row order and the tiled one (`.tiled`)."""
+    from verifier_service.int4 import untile_int4  # the tiled order's definition
+
     def dequant(w, e: int) -> torch.Tensor:  # -> fp32 [out, in]
-        shifts = torch.arange(0, 32, 4, device=w.packed.device, dtype=torch.int32)
-        q = ((w.packed[e].unsqueeze(-1) >> shifts) & 0xF).flatten(-2).float() - 8  # [out, in]
-        return q * w.scale[e].float().repeat_interleave(32, dim=-1)
+        packed, scale = untile_int4(w.packed[e], w.scale[e]) if w.tiled else (w.packed[e], w.scale[e])
+        shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+        q = ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2).float() - 8  # [out, in]
+        return q * scale.float().repeat_interleave(32, dim=-1)
 
     local = topk_ids - experts.first  # [T, k]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]

@@ -28,7 +28,7 @@ from verifier_service.rope import apply_rope
 def test_moe_ref_matches_model_reference():
     E, H, I = 6, 256, 128
     ex = random_experts(E, H, I, first=3, device="cpu")
-    stack = ExpertStack(*(Int4Weight(w.packed, w.scale, (w.packed.shape[1], w.scale.shape[2] * 32))
+    stack = ExpertStack(*(Int4Weight(w.packed, w.scale, (w.packed.shape[1], w.scale.shape[2] * 32), w.tiled)
                           for w in (ex.gate_proj, ex.up_proj, ex.down_proj)), first=3)
     ids, w = spread_routing(5, 4, 6, E, device="cpu")
     ids = ids + 1  # ids 1..6: expert ids 1, 2 belong to another rank

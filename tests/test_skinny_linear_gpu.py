@@ -70,10 +70,10 @@ def test_dense_moe_through_projections(tiny_model, rows, down_by_row):  # noqa: 
     ids, weights = route(x, w, cfg)
     for lo, hi in ((0, w.experts.count), (5, 11)):
         ex = w.experts
-        part = ExpertStack(*(Int4Weight(m.packed[lo:hi], m.scale[lo:hi], m.shape)
+        part = ExpertStack(*(Int4Weight(m.packed[lo:hi], m.scale[lo:hi], m.shape, m.tiled)
                              for m in (ex.gate_proj, ex.up_proj, ex.down_proj)), first=ex.first + lo)
         want = moe_experts_ref(x, ids, weights, part)
-        dense = dense_stack(ExpertStack(*(Int4Weight(m.packed.cuda(), m.scale.cuda(), m.shape) for m in
+        dense = dense_stack(ExpertStack(*(Int4Weight(m.packed.cuda(), m.scale.cuda(), m.shape, m.tiled) for m in
                                           (part.gate_proj, part.up_proj, part.down_proj)), part.first), torch.float32,
                             down_by_row=down_by_row)
         assert on_kernel(x.cuda(), dense.gate_proj.reshape(-1, cfg.hidden_size), True)  # the projected path runs

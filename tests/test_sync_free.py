@@ -166,7 +166,7 @@ def _moe_inputs(model: K2Model, layer: int = 2, rows: int = 11, dtype=torch.floa
 
 def _slice(ex: ExpertStack, lo: int, hi: int) -> ExpertStack:
     """What an expert-parallel rank holds: experts lo .. hi-1."""
-    part = lambda m: Int4Weight(m.packed[lo:hi], m.scale[lo:hi], m.shape)  # noqa: E731
+    part = lambda m: Int4Weight(m.packed[lo:hi], m.scale[lo:hi], m.shape, m.tiled)  # noqa: E731
     return ExpertStack(part(ex.gate_proj), part(ex.up_proj), part(ex.down_proj), first=ex.first + lo)
 
 

@@ -25,11 +25,16 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # bit offset of nibble i wi
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """A packed INT4 linear, or a stack of them along leading dims (e.g. [E_local, ...])."""
+    """A packed INT4 linear, or a stack of them along leading dims (e.g. [E_local, ...]).
+
+    `tiled`: the words and scales of each matrix are stored in `tile_int4`'s order (kernels/moe_w4a16's
+    load-time layout) instead of row by row; the tensors keep their shapes and every function here reads
+    either order."""
 
     packed: torch.Tensor  # int32 [..., out, in/8]
     scale: torch.Tensor  # bf16 [..., out, in/group]
     shape: tuple[int, int]  # logical (out, in) of one matrix
+    tiled: bool = False
 
     @property
     def group_size(self) -> int:
@@ -37,10 +42,48 @@ class Int4Weight:
 
     def select(self, index: int) -> Int4Weight:
         """One matrix of a stack (index along the first dim)."""
-        return Int4Weight(self.packed[index], self.scale[index], self.shape)
+        return Int4Weight(self.packed[index], self.scale[index], self.shape, self.tiled)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(self.packed, self.scale, self.shape, dtype)
+        packed, scale = untile_int4(self.packed, self.scale) if self.tiled else (self.packed, self.scale)
+        return dequantize_int4(packed, scale, self.shape, dtype)
+
+    def tile(self) -> Int4Weight:
+        """This weight in the tiled order (a copy; itself when already tiled)."""
+        return self if self.tiled else Int4Weight(*tile_int4(self.packed, self.scale), self.shape, True)
+
+
+# The tile of the tiled order: 16 output rows x 128 inputs (16 words and 4 group-32 scales a row), the unit
+# one warp of kernels/moe_w4a16 streams per step.
+TILE_ROWS, TILE_INPUTS, TILE_GROUP = 16, 128, 32
+
+
+def tileable(shape: tuple[int, int], group: int) -> bool:
+    """Whether a matrix of logical shape (out, in) and this scale group size has a tiled order."""
+    return shape[0] % TILE_ROWS == 0 and shape[1] % TILE_INPUTS == 0 and group == TILE_GROUP
+
+
+def tile_int4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row order -> tiled order, same shapes. Words [..., out, in/8] are stored as [..., out/16, in/128, 16, 16]
+    (row tile, 128-input chunk, row in the tile, word in the chunk), scales [..., out, in/32] as
+    [..., out/16, in/128, 16, 4]: one 16-row tile's chunk is 1 KB of words and 128 B of scales, each contiguous,
+    and a tile's chunks follow each other, so a tile streams as two sequential runs (H200: 5-8 % faster
+    moe_w4a16 than reading 64 B pieces of rows 3.5 KB apart)."""
+    return _swap_tile_axes(packed, 16, TILE_INPUTS // 8), _swap_tile_axes(scale, 16, TILE_INPUTS // TILE_GROUP)
+
+
+def untile_int4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled order -> row order (the inverse of tile_int4)."""
+    return _swap_tile_axes(packed, 16, TILE_INPUTS // 8, True), _swap_tile_axes(scale, 16, TILE_INPUTS // TILE_GROUP, True)
+
+
+def _swap_tile_axes(t: torch.Tensor, rows: int, cols: int, inverse: bool = False) -> torch.Tensor:
+    """[..., R, C] as [..., R/rows, rows, C/cols, cols] <-> [..., R/rows, C/cols, rows, cols], same shape."""
+    *lead, R, C = t.shape
+    if R % rows or C % cols:
+        raise ValueError(f"{tuple(t.shape)} is not a whole number of {rows} x {cols} tiles")
+    split = (R // rows, C // cols, rows, cols) if inverse else (R // rows, rows, C // cols, cols)
+    return t.reshape(*lead, *split).transpose(-3, -2).contiguous().view(t.shape)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ with the residual add before it where there is one (add_rms_norm), and fp32 proj
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from verifier_service.linear import project
 from verifier_service.mla import MLAWeights, add_rms_norm, mla_forward, rms_norm, row_keys, uk_transposed
 from verifier_service.model_config import K2Config
 from verifier_service.moe import (ExpertStack, MLPWeights, MoEWeights, dense_fits, dense_stack, kernel_fits_for,
-                                  mlp, moe_forward)
+                                  mlp, moe_forward, tile_experts)
 from verifier_service.plan import BatchPlan, key_groups
 from verifier_service.rope import rope_cos_sin, rope_inv_freq
 
@@ -88,6 +88,8 @@ class K2Model:
         if len(weights.layers) != cfg.num_hidden_layers:
             raise ValueError(f"{len(weights.layers)} layers given, config has {cfg.num_hidden_layers}")
         self.cfg = cfg
+        if use_kernels and weights.embed_tokens.is_cuda:
+            weights = _with_tiled_experts(weights)  # the INT4 kernel's storage order
         self.weights = weights
         self.all_reduce = all_reduce
         self.all_gather = all_gather
@@ -211,6 +213,18 @@ class K2Model:
         bad = [i for i in target_layer_ids if not 0 <= i < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside [0, {cfg.num_hidden_layers})")
+
+
+def _with_tiled_experts(weights: TargetWeights) -> TargetWeights:
+    """`weights` with every MoE layer's INT4 experts in the tiled order kernels/moe_w4a16 reads: the same
+    objects where they already are (the loader and the synthetic draw give that order on a GPU), copies
+    otherwise (small models moved to a GPU)."""
+    def layer(w: LayerWeights) -> LayerWeights:
+        if not isinstance(w.mlp, MoEWeights):
+            return w
+        return replace(w, mlp=replace(w.mlp, experts=tile_experts(w.mlp.experts)))
+
+    return replace(weights, layers=tuple(layer(w) for w in weights.layers))
 
 
 def _rows(rows: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from verifier_service.int4 import Int4Weight, linear
+from verifier_service.int4 import Int4Weight, linear, tileable
 from verifier_service.linear import fuse_rows, on_kernel, project
 from verifier_service.model_config import K2Config
 
@@ -266,8 +266,19 @@ def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
     return kernel_fits_for(x.device, x.dtype, experts)
 
 
-def kernel_fits_for(device: torch.device, dtype: torch.dtype, experts: ExpertStack) -> bool:
-    """`kernel_fits` for activations of this device and dtype (decided once per model, no tensor needed)."""
-    g = experts.gate_proj
-    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and isinstance(g, Int4Weight)
-            and g.shape[0] % 128 == 0 and g.shape[1] % 128 == 0)
+def kernel_fits_for(device: torch.device, dtype: torch.dtype, experts: ExpertStack, tiled: bool = True) -> bool:
+    """`kernel_fits` for activations of this device and dtype (decided once per model, no tensor needed).
+    `tiled`: also require the tiled order the kernel reads (K2Model tiles the stacks that fit otherwise)."""
+    mats = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16
+            and all(isinstance(m, Int4Weight) and tileable(m.shape, m.group_size) and (m.tiled or not tiled)
+                    for m in mats))
+
+
+def tile_experts(experts: ExpertStack) -> ExpertStack:
+    """The stack with its INT4 matrices in the tiled order kernels/moe_w4a16 reads (copies of those not tiled
+    yet; the loader tiles K2.6's as it reads them, so a served model makes none)."""
+    def tiled(m: ExpertMatrix) -> ExpertMatrix:
+        return m.tile() if isinstance(m, Int4Weight) and tileable(m.shape, m.group_size) else m
+
+    return ExpertStack(tiled(experts.gate_proj), tiled(experts.up_proj), tiled(experts.down_proj), experts.first)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from verifier_service.int4 import Int4Weight
+from verifier_service.int4 import Int4Weight, tileable
 from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
@@ -103,13 +103,15 @@ class _Random:
         return torch.ones(n, device=self.device, dtype=self.dtype)
 
     def int4(self, key: tuple, experts: range, out: int, inp: int) -> Int4Weight:
-        """Uniform random nibbles (q in [-8, 7], std ≈ 4.6) with scales giving std 1/sqrt(in), per expert."""
+        """Uniform random nibbles (q in [-8, 7], std ≈ 4.6) with scales giving std 1/sqrt(in), per expert. On a GPU
+        the draw is taken as the tiled order (int4.tile_int4) the INT4 kernel reads, as the loader stores K2.6's."""
         packed = torch.empty(len(experts), out, inp // 8, device=self.device, dtype=torch.int32)
         for j, e in enumerate(experts):
             packed[j].random_(-2**31, 2**31 - 1, generator=self.gen(*key, e))
         scale = torch.full((len(experts), out, inp // 32), 1.0 / (4.6 * math.sqrt(inp)), device=self.device,
                            dtype=torch.bfloat16)
-        return Int4Weight(packed, scale, (out, inp))
+        tiled = packed.is_cuda and tileable((out, inp), 32)
+        return Int4Weight(packed, scale, (out, inp), tiled)
 
 
 def random_target(cfg: K2Config, *, experts: range, heads: range, device="cuda", dtype=torch.bfloat16,

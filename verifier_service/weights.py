@@ -22,7 +22,7 @@ import torch
 
 from service_kit.checkpoint import CheckpointError, CheckpointIndex
 from service_kit.logs import get_logger
-from verifier_service.int4 import NIBBLES_PER_WORD, Int4Weight
+from verifier_service.int4 import NIBBLES_PER_WORD, Int4Weight, tile_int4, tileable
 from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
@@ -314,13 +314,17 @@ def _experts(r: _Reader, p: str, cfg: K2Config, experts: range) -> ExpertStack:
         parts = (".weight_packed", ".weight_scale") if int4 else (".weight",)
         bufs = [torch.empty(len(experts), *r.index.shape(r.stored[base + s]),
                             dtype=_TORCH_DTYPES[r.index.dtype(r.stored[base + s])], device=r.device) for s in parts]
+        shape = _expert_linears(p, experts.start, cfg)[base]
+        # On a GPU, INT4 experts are stored in the tiled order kernels/moe_w4a16 reads, each expert tiled as read.
+        tiled = int4 and bufs[0].is_cuda and tileable(shape, shape[1] // bufs[1].shape[-1])
         for j, e in enumerate(experts):
             eb = f"{p}mlp.experts.{e}.{proj}"
-            for buf, s in zip(bufs, parts):
-                buf[j] = r.get(eb + s, None)
+            got = [r.get(eb + s, None) for s in parts]
+            for buf, t in zip(bufs, tile_int4(*got) if tiled else got):
+                buf[j] = t
             if int4:
                 _check_logical_shape(r, eb, _expert_linears(p, e, cfg)[eb])
-        stacks[proj] = Int4Weight(bufs[0], bufs[1], _expert_linears(p, experts.start, cfg)[base]) if int4 else bufs[0]
+        stacks[proj] = Int4Weight(bufs[0], bufs[1], shape, tiled) if int4 else bufs[0]
     return ExpertStack(**stacks, first=experts.start)
 
 
