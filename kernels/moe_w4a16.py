@@ -46,7 +46,7 @@ from kernels._compile import cuda_source, device_limits, get_kernels, launch
 CODE = "moe_w4a16.cu"
 NAMES = ("moe_route", "moe_gemm<0, 1, 2, 1>", "moe_gemm<0, 2, 2, 1>", "moe_gemm<1, 1, 2, 1>", "moe_gemm<1, 1, 4, 1>",
          "moe_gemm<1, 2, 2, 1>", "moe_gemm<1, 1, 2, 2>", "moe_gemm<1, 2, 2, 2>", "moe_gemm<1, 1, 2, 0>", "moe_combine")
-STAGES, CHUNK = 4, 128  # must match the .cu (STAGES, 32 * CG)
+STAGES, CHUNK = 3, 128  # must match the .cu (STAGES, 32 * CG)
 # Warps per block, splitting K: gate/up 8 (2 blocks/SM); down 4, which the kernel splits into two
 # tiles of 2 warps when >= 2 experts are active (4 per tile is best for one expert, 2 for more).
 GATE_UP_WARPS, DOWN_WARPS = 8, 4
