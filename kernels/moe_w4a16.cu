@@ -148,6 +148,15 @@ struct WeightRing {
   }
 };
 
+// 16 bytes of B for the first chunk, by a volatile asm load, so that it stays after the griddepcontrol.wait before
+// it: B is __restrict__ const, which lets the compiler hoist plain loads of it above that wait (it did, once the
+// wait was behind a runtime condition: the down kernel read act before gate/up had written it).
+__device__ __forceinline__ uint4 ld_after_wait(const u16* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
 // One warp's K loop for one pass, its ring's prologue already issued: acc[m][n] (16 rows x 8 tokens,
 // fragment layout of mma_bf16) += Σ over the warp's nch chunks of scale · (q · x), for the NV <= NT
 // token tiles that hold real tokens (compile-time, so the chunk body has no branches). xr[n]: this
@@ -171,7 +180,7 @@ __device__ __forceinline__ void warp_gemm(WeightRing<MT>& wring, const u16* cons
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
 #pragma unroll
-      for (int q = 0; q < CG; ++q) xc[n][q] = *reinterpret_cast<const uint4*>(xp[n] + q * 32);
+      for (int q = 0; q < CG; ++q) xc[n][q] = ld_after_wait(xp[n] + q * 32);
       xp[n] += xadv;
     }
   }
