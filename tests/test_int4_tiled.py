@@ -64,10 +64,29 @@ def test_kernel_needs_the_tiled_order():
         assert b.tiled and torch.equal(a.dequantize(torch.float32), b.dequantize(torch.float32))
 
 
+def test_model_tiles_copies_of_untiled_experts(tiny_model):  # noqa: F811
+    """What a kernel model on a GPU does to experts it gets in the row order (model._with_tiled_experts): tiled
+    copies of the tileable matrices (the tiny model's gate/up; its down, 64 inputs, is not), the others and the
+    caller's weights left as they are, every matrix dequantizing to the same values."""
+    from verifier_service.model import _with_tiled_experts
+
+    rows = tiny_model.weights
+    tiled = _with_tiled_experts(rows)
+    moe = [i for i, layer in enumerate(rows.layers) if hasattr(layer.mlp, "experts")]
+    assert moe
+    for i in moe:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            a, b = getattr(rows.layers[i].mlp.experts, name), getattr(tiled.layers[i].mlp.experts, name)
+            assert not a.tiled and b.tiled == tileable(b.shape, b.group_size)
+            assert (b is a) == (not b.tiled)
+            assert torch.equal(a.dequantize(torch.float32), b.dequantize(torch.float32))
+    assert tiled.layers[0] is rows.layers[0] or not hasattr(rows.layers[0].mlp, "experts")  # dense layers kept
+
+
 @pytest.mark.gpu
-def test_loader_tiles_on_gpu_and_model_tiles_the_rest(tiny_dir, tiny_model):  # noqa: F811
-    """On a GPU the loader stores INT4 experts tiled as it reads them; a kernel model given untiled experts (the
-    CPU load moved over) tiles copies. Either way the same weights as the CPU load's row order."""
+def test_loader_tiles_on_gpu_and_model_keeps_its_stacks(tiny_dir, tiny_model):  # noqa: F811
+    """On a GPU the loader stores INT4 experts tiled as it reads them, the same weights as the CPU load's row
+    order; a kernel model keeps those stacks (no copies)."""
     from verifier_service.model import K2Model
     from verifier_service.weights import load_target_weights
 
