@@ -47,9 +47,12 @@ CODE = "moe_w4a16.cu"
 NAMES = ("moe_route", "moe_gemm<0, 1, 2, 1>", "moe_gemm<0, 2, 2, 1>", "moe_gemm<1, 1, 2, 1>", "moe_gemm<1, 1, 4, 1>",
          "moe_gemm<1, 2, 2, 1>", "moe_gemm<1, 1, 2, 2>", "moe_gemm<1, 2, 2, 2>", "moe_gemm<1, 1, 2, 0>", "moe_combine")
 STAGES, CHUNK = 3, 128  # must match the .cu (STAGES, 32 * CG)
-# Warps per block, splitting K: gate/up 8 (2 blocks/SM); down 4, which the kernel splits into two
-# tiles of 2 warps when >= 2 experts are active (4 per tile is best for one expert, 2 for more).
-GATE_UP_WARPS, DOWN_WARPS = 8, 4
+# Warps per block, splitting K. Gate/up: 4 (4 blocks/SM) from 3 tokens; 8 (2 blocks/SM) up to
+# GATE_UP_FEW_T tokens, where an EP rank holds 1-2 experts and a tile keeps 8 warps (H200, session 20:
+# 4 warps 55 x 16 570 -> 527 us, 1 x 16 40 -> 35, 8 x 16 150 -> 142; but 2 x 1 28.5 -> 30.0).
+# Down: 4, which the kernel splits into two tiles of 2 warps when >= 2 experts are active (4 per tile is
+# best for one expert, 2 for more).
+GATE_UP_WARPS, GATE_UP_WARPS_FEW, GATE_UP_FEW_T, DOWN_WARPS = 4, 8, 2, 4
 # 16-row tiles per block once enough experts are active (the block's warps split into one group per
 # tile; H200, T = 4-110 over 8-55 experts: 4-10 % faster than one tile per block; 4 per block is slower).
 GATE_UP_TPB, DOWN_TPB = 2, 2
@@ -95,7 +98,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         assert w.scale.dtype == torch.bfloat16 and w.scale.shape == (*shape[:2], shape[2] // 32)
         assert w.packed.is_contiguous() and w.scale.is_contiguous() and w.tiled, "moe_w4a16 reads tiled experts"
     assert H % CHUNK == 0 and I % CHUNK == 0, (H, I)
-    assert GATE_UP_WARPS >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0  # block_sum: tiles per block x NT <= warps
+    assert min(GATE_UP_WARPS, GATE_UP_WARPS_FEW) >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0  # block_sum: tiles per block x NT <= warps
     out = torch.empty_like(x)
     if T * k == 0:
         return out.zero_()
@@ -116,15 +119,18 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     first = np.int64(experts.first)
     launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, 8 * nt, offsets, order, items, num_items,
            counters, counters.numel(), smem=8 * E, pdl=PDL)
-    slots = 2 * device_limits(dev.index if dev.index is not None else torch.cuda.current_device()).sms
+    sms = device_limits(dev.index if dev.index is not None else torch.cuda.current_device()).sms
+    gate_up_warps = GATE_UP_WARPS_FEW if T <= GATE_UP_FEW_T else GATE_UP_WARPS
+    # the resident blocks the kernels' tile rules count: 256 threads per SM twice (their register budget)
+    slots = (2 * sms * (8 // gate_up_warps), 2 * sms)
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
-            (gate, up, H, I, x, act, GATE_UP_WARPS, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
+            (gate, up, H, I, x, act, gate_up_warps, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         occ = 4 if mode == 1 and nt == 1 and T > 1 and mt == 1 else 2  # register budget, see the .cu
         launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, items, num_items,
-               dst, part, counters if mode == 0 else counters[gate_cnt:], slots, smax, SPLIT or 0,
+               dst, part, counters if mode == 0 else counters[gate_cnt:], slots[mode], smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
                smem=nw * STAGES * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
     if not fuse:
