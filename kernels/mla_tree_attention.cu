@@ -432,6 +432,9 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge(
   __shared__ float4 part[7][32];
   const i64 qr = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, zg = tid >> 5;
+  // a PDL successor may start: W_UV's skinny_gemm streams its weights, and (bench) the next mla_attn its prefix
+  // tiles; both wait for this grid before reading what it writes
+  pdl_trigger();
   const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
   pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
   const float wsum = merge_weights(lse_part, TH, qr, nsplit, wz, red);
@@ -477,6 +480,9 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge32(
   __shared__ float4 part[8][8];
   const i64 qr = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, zg = tid >> 3, l8 = tid & 7;
+  // a PDL successor may start: W_UV's skinny_gemm streams its weights, and (bench) the next mla_attn its prefix
+  // tiles; both wait for this grid before reading what it writes
+  pdl_trigger();
   const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
   pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
   const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 32 * blockIdx.y) + l8;
