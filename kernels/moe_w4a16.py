@@ -98,7 +98,8 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         assert w.scale.dtype == torch.bfloat16 and w.scale.shape == (*shape[:2], shape[2] // 32)
         assert w.packed.is_contiguous() and w.scale.is_contiguous() and w.tiled, "moe_w4a16 reads tiled experts"
     assert H % CHUNK == 0 and I % CHUNK == 0, (H, I)
-    assert min(GATE_UP_WARPS, GATE_UP_WARPS_FEW) >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0  # block_sum: tiles per block x NT <= warps
+    # block_sum: tiles per block x NT <= warps
+    assert min(GATE_UP_WARPS, GATE_UP_WARPS_FEW) >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0
     out = torch.empty_like(x)
     if T * k == 0:
         return out.zero_()
