@@ -12,7 +12,7 @@
 // parallel block rows); its NW warps split K, and for few work items the gate/up K is also
 // split over `split` blocks (blockIdx.z) so that every SM streams: each block writes an fp32 partial
 // and the last block of a tile to arrive (atomic counter) sums them in split order and applies SiLU.
-// Each warp streams its K-slice of packed words and scales through a STAGES-deep cp.async ring,
+// Each warp streams its K-slice of packed words and scales through an ST-deep cp.async ring,
 // reads them with ldmatrix (word t of a row's 16-byte group piece lands in lane 4g+t: exactly the
 // fragment layout below), decodes nibbles to bf16 in registers and runs m16n8k16 tensor-core MMAs
 // with the tokens as the N=8 side. Weight bytes are read once per item (from DRAM about once per expert).
@@ -23,7 +23,6 @@
 // in fp32 (q·x is exact in the MMA; no bf16 rounding of q·scale).
 
 #define CG 4                 // scale groups (32 inputs each) per stage: 64 B of words per row
-#define STAGES 3             // cp.async stages per warp (H200, tiled weights: 3 beats 4 by 1-3 %, 5 loses 2-5 %)
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
 // Pairs p = t*k + s of the [T, k] routing; local expert e = topk_ids[p] - first, owned iff 0 <= e < E.
@@ -104,7 +103,7 @@ struct Stage {  // one warp's share of one pipeline stage
 // 1, and lanes 0-15 the 8 bytes of row `lane`'s scales; sources advance by `stride` chunks per issue.
 // Split from the K loop so that a block can put its first stages in flight as soon as it knows its
 // expert, before the dependent loads (offsets, order, x) that the loop needs.
-template <int MT>
+template <int MT, int ST>
 struct WeightRing {
   const u32* wsrc[MT];
   const u16* ssrc[MT];
@@ -137,11 +136,11 @@ struct WeightRing {
       wsrc[m] += wadv;
       ssrc[m] += sadv;
     }
-    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh : st_issue + sizeof(Stage<MT>);
+    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_issue + sizeof(Stage<MT>);
   }
-  __device__ __forceinline__ void prologue(int nch) {  // the first STAGES-1 of the warp's nch chunks
+  __device__ __forceinline__ void prologue(int nch) {  // the first ST-1 of the warp's nch chunks
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < ST - 1; ++s) {
       if (s < nch) issue();
       cp_async_commit();
     }
@@ -163,8 +162,8 @@ __device__ __forceinline__ uint4 ld_after_wait(const u16* p) {
 // lane's token row of B, + 8t, at the warp's first chunk; x advances `stride` chunks per chunk.
 // WAIT_X: griddepcontrol.wait before the first read of B (the down GEMM's weights stream in while the
 // gate/up kernel that writes its B still runs).
-template <int MT, int NT, int NV, bool WAIT_X>
-__device__ __forceinline__ void warp_gemm(WeightRing<MT>& wring, const u16* const (&xr)[NT], int stride, int nch,
+template <int MT, int ST, int NT, int NV, bool WAIT_X>
+__device__ __forceinline__ void warp_gemm(WeightRing<MT, ST>& wring, const u16* const (&xr)[NT], int stride, int nch,
                                           float (&acc)[MT][NT][4]) {
   const int lane = threadIdx.x, g = lane >> 2;
   const u32 ring_sh = wring.ring_sh;
@@ -186,9 +185,9 @@ __device__ __forceinline__ void warp_gemm(WeightRing<MT>& wring, const u16* cons
   }
   u32 st_use = ring_sh;  // stage being consumed
   for (int c = 0; c < nch; ++c) {
-    cp_async_wait<STAGES - 2>();
+    cp_async_wait<ST - 2>();
     __syncwarp();
-    if (c + STAGES - 1 < nch) wring.issue();
+    if (c + ST - 1 < nch) wring.issue();
     cp_async_commit();
     u32 wr[MT][2][4];  // [m][group pair][lo q, hi q, lo q+1, hi q+1] (lo: row g, hi: row g+8)
     uint2 sc[MT][2];   // [m][row g, g+8]: 4 bf16 scales each
@@ -200,7 +199,7 @@ __device__ __forceinline__ void warp_gemm(WeightRing<MT>& wring, const u16* cons
       asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][0].x), "=r"(sc[m][0].y) : "r"(sb + g * CG * 2));
       asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][1].x), "=r"(sc[m][1].y) : "r"(sb + (g + 8) * CG * 2));
     }
-    st_use = st_use + sizeof(Stage<MT>) == ring_sh + STAGES * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
+    st_use = st_use + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_use + sizeof(Stage<MT>);
     const bool more = c + 1 < nch;
 #pragma unroll
     for (int q = 0; q < CG; ++q) {
@@ -334,7 +333,7 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 // scheduled. MODE 1 reads only moe_route's outputs before its wait, which are complete: every MODE 0
 // block waited for them before triggering. Every MODE 1 block with work waits before reading act, so
 // MODE 1 completes after MODE 0 (with no work item MODE 0 writes nothing).
-// Block (32, NW), NW <= 8; dynamic smem NW*STAGES*sizeof(Stage<MT>). Requires K % (32*CG) == 0,
+// Block (32, NW), NW <= 8; dynamic smem NW*ST*sizeof(Stage<MT>). Requires K % (32*CG) == 0,
 // N % (16*DMT) == 0.
 // OCC: blocks of 256 threads per SM for the register budget: 2 (128 registers), or 4 (64) for the
 // one-token-tile, one-piece down kernel (8 blocks of 4 warps per SM). The launcher runs down with two
@@ -350,7 +349,7 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 
 // The body of moe_gemm for na work items, (e, j0) = items[blockIdx.y]: expert e's sorted rows j0 ..
 // j0 + 8·NT - 1 (those it has), one weight pass.
-template <int MODE, int NT, int DMT>
+template <int MODE, int NT, int DMT, int ST>
 __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
   constexpr int MT = MODE == 0 ? 2 : DMT, RT = MODE == 0 ? 16 : 16 * DMT;  // matrices per warp, rows per tile
   extern __shared__ __align__(16) unsigned char smem[];
@@ -386,8 +385,8 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
     Wm[m] = (MODE == 0 && m ? W1 : W0) + ((i64)e * N + r) * KW;
     Sm[m] = (MODE == 0 && m ? S1 : S0) + ((i64)e * N + r) * KG;
   }
-  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * STAGES;
-  WeightRing<MT> wring;
+  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * ST;
+  WeightRing<MT, ST> wring;
   // The weights depend on the expert only: their first stages go out now, and the dependent round
   // trips for the tokens (offsets -> order -> x) overlap their DRAM latency.
   wring.init(ring, Wm, Sm, slot, stride);
@@ -402,9 +401,9 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
   }
   float acc[MT][NT][4] = {};
   if (NT > 1 && ntv == 1)
-    warp_gemm<MT, NT, 1, MODE == 1>(wring, xr, stride, nch, acc);
+    warp_gemm<MT, ST, NT, 1, MODE == 1>(wring, xr, stride, nch, acc);
   else
-    warp_gemm<MT, NT, NT, MODE == 1>(wring, xr, stride, nch, acc);
+    warp_gemm<MT, ST, NT, NT, MODE == 1>(wring, xr, stride, nch, acc);
   block_sum<MT, NT>(smem, acc, ntv, per, [&](int gi, int n, int l, const float (&v)[MT][4]) {
     const int r0 = (blockIdx.x * tpb + gi) * RT;
 #pragma unroll
@@ -450,7 +449,7 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
 // cannot see the active count, so the grid is sized for one piece (N/16 tiles); with two, the blocks
 // past N/32 exit. H200, T = 1, us, one piece -> two: 3 experts 47.6 -> 44.1, 8 experts 97.2 -> 91.2;
 // but 2 experts 32.0 -> 37.5 (224 blocks with work for 264 slots), 1 expert 23.2 -> 25.2.
-template <int MODE, int NT, int OCC, int DMT>
+template <int MODE, int NT, int OCC, int DMT, int ST>
 __global__ void __launch_bounds__(256, OCC) moe_gemm(GEMM_PARAMS) {
   if (MODE == 0) pdl_wait();  // for moe_route's outputs (MODE 1 reads only those before its own wait)
   // items[y] is loaded with the count (not after it) so the two round trips overlap; for y >= na it
@@ -458,9 +457,9 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(GEMM_PARAMS) {
   const int na = *num_items;
   const int2 item = items[blockIdx.y];
   if (DMT == 0 && na * (N / (32 * tpb_max)) >= slots)
-    gemm_block<MODE, NT, 2>(GEMM_ARGS, na, item.x, item.y);
+    gemm_block<MODE, NT, 2, ST>(GEMM_ARGS, na, item.x, item.y);
   else
-    gemm_block<MODE, NT, DMT == 0 ? 1 : DMT>(GEMM_ARGS, na, item.x, item.y);
+    gemm_block<MODE, NT, DMT == 0 ? 1 : DMT, ST>(GEMM_ARGS, na, item.x, item.y);
 }
 
 // out[t] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]) in slot order; tokens with no local expert get 0.

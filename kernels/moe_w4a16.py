@@ -44,9 +44,14 @@ import torch
 from kernels._compile import cuda_source, device_limits, get_kernels, launch
 
 CODE = "moe_w4a16.cu"
-NAMES = ("moe_route", "moe_gemm<0, 1, 2, 1>", "moe_gemm<0, 2, 2, 1>", "moe_gemm<1, 1, 2, 1>", "moe_gemm<1, 1, 4, 1>",
-         "moe_gemm<1, 2, 2, 1>", "moe_gemm<1, 1, 2, 2>", "moe_gemm<1, 2, 2, 2>", "moe_gemm<1, 1, 2, 0>", "moe_combine")
-STAGES, CHUNK = 3, 128  # must match the .cu (STAGES, 32 * CG)
+# moe_gemm<MODE, NT, OCC, DMT, ST>: every kernel with 3 stages; with 2, those of one token tile (T <= STAGES_FEW_T)
+_GEMMS_1T = ("0, 1, 2, 1", "1, 1, 2, 1", "1, 1, 4, 1", "1, 1, 2, 2", "1, 1, 2, 0")  # one token tile (NT = 1)
+NAMES = ("moe_route", *(f"moe_gemm<{m}, 3>" for m in (*_GEMMS_1T, "0, 2, 2, 1", "1, 2, 2, 1", "1, 2, 2, 2")),
+         *(f"moe_gemm<{m}, 2>" for m in _GEMMS_1T), "moe_combine")
+CHUNK = 128  # inputs per chunk: must match the .cu (32 * CG)
+# cp.async stages per warp (ST): 3; 2 up to STAGES_FEW_T tokens. H200, tiled weights: 3 beats 4 by 1-3 % and 5 loses
+# 2-5 % (session 19); 2 gains 1-3 % at 1-8 experts with few tokens but loses 1-2 % at 55 experts and routed 16-64 rows.
+STAGES, STAGES_FEW, STAGES_FEW_T = 3, 2, 4
 # Warps per block, splitting K. Gate/up: 4 (4 blocks/SM) from 3 tokens; 8 (2 blocks/SM) up to
 # GATE_UP_FEW_T tokens, where an EP rank holds 1-2 experts and a tile keeps 8 warps (H200, session 20:
 # 4 warps 55 x 16 570 -> 527 us, 1 x 16 40 -> 35, 8 x 16 150 -> 142; but 2 x 1 28.5 -> 30.0).
@@ -122,6 +127,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
            counters, counters.numel(), smem=8 * E, pdl=PDL)
     sms = device_limits(dev.index if dev.index is not None else torch.cuda.current_device()).sms
     gate_up_warps = GATE_UP_WARPS_FEW if T <= GATE_UP_FEW_T else GATE_UP_WARPS
+    st = STAGES_FEW if T <= STAGES_FEW_T else STAGES
     # the resident blocks the kernels' tile rules count: 256 threads per SM twice (their register budget)
     slots = (2 * sms * (8 // gate_up_warps), 2 * sms)
     gate_cnt = blocks_y * (I // 16)
@@ -129,11 +135,11 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
             (gate, up, H, I, x, act, gate_up_warps, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         occ = 4 if mode == 1 and nt == 1 and T > 1 and mt == 1 else 2  # register budget, see the .cu
-        launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
+        launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}, {st}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, items, num_items,
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots[mode], smax, SPLIT or 0,
                topk_ids, topk_weights, out, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
-               smem=nw * STAGES * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
+               smem=nw * st * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
     if not fuse:
         launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
     return out
