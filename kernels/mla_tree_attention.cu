@@ -390,6 +390,17 @@ __device__ __forceinline__ int merge_nsplit(const i64* prefix_lens, const i64* r
   return (int)((kv_len + chunk - 1) / chunk);
 }
 
+// The merges' start under programmatic dependent launch -> merge_nsplit. It lets a PDL successor start (W_UV's
+// skinny_gemm streams its weights, and in the bench the next mla_attn its prefix tiles; both wait for this grid
+// before reading what it writes), reads only the plan, then waits until mla_attn's partials are complete and visible.
+__device__ __forceinline__ int merge_start(const i64* prefix_lens, const i64* row_starts, int B, int h, int splits,
+                                           i64 qr) {
+  pdl_trigger();
+  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
+  pdl_wait();
+  return nsplit;
+}
+
 // The merge weights of row qr, by a block of 256 threads: wz[z] = 2^(lse_z - M) in shared memory (M the largest
 // LSE; all 0 when no split saw a key), -> their sum. red: 8 floats of shared scratch.
 __device__ __forceinline__ float merge_weights(const float* __restrict__ lse_part, int TH, i64 qr, int nsplit,
@@ -432,11 +443,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge(
   __shared__ float4 part[7][32];
   const i64 qr = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, zg = tid >> 5;
-  // a PDL successor may start: W_UV's skinny_gemm streams its weights, and (bench) the next mla_attn its prefix
-  // tiles; both wait for this grid before reading what it writes
-  pdl_trigger();
-  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
-  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
+  const int nsplit = merge_start(prefix_lens, row_starts, B, h, splits, qr);
   const float wsum = merge_weights(lse_part, TH, qr, nsplit, wz, red);
   const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 128 * blockIdx.y) + lane;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -480,11 +487,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_merge32(
   __shared__ float4 part[8][8];
   const i64 qr = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, zg = tid >> 3, l8 = tid & 7;
-  // a PDL successor may start: W_UV's skinny_gemm streams its weights, and (bench) the next mla_attn its prefix
-  // tiles; both wait for this grid before reading what it writes
-  pdl_trigger();
-  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
-  pdl_wait();  // launched with PDL: mla_attn's partials are complete and visible after this
+  const int nsplit = merge_start(prefix_lens, row_starts, B, h, splits, qr);
   const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 32 * blockIdx.y) + l8;
   const i64 zstride = (i64)TH * (DV / 4);
   float4 v[8];
