@@ -184,8 +184,8 @@ def _config(grid, block, smem: int, pdl: bool, cluster):
 
 
 def launch(kernel, grid, block, *args, smem: int = 0, pdl: bool = False, cluster: int | None = None) -> None:
-    """Launch on torch's current stream. Tensors pass as device pointers, Python ints as int32,
-    floats as float32, numpy scalars as themselves (use np.int64 etc. for other widths).
+    """Launch on torch's current stream. Tensors pass as device pointers (None as a null one), Python ints as
+    int32, floats as float32, numpy scalars as themselves (use np.int64 etc. for other widths).
     pdl: programmatic dependent launch (sm_90+): the kernel may start while the previous one on the
     stream still runs, and must `griddepcontrol.wait` before reading what that one writes; CUDA graph
     capture keeps it as a programmatic edge.
@@ -206,6 +206,8 @@ def _arg(a):
     if isinstance(a, torch.Tensor):
         assert a.is_cuda, "kernel arguments must be CUDA tensors"
         return np.uint64(a.data_ptr())
+    if a is None:
+        return np.uint64(0)
     if isinstance(a, bool) or isinstance(a, np.generic):
         return a
     if isinstance(a, int):

@@ -1,7 +1,8 @@
 // Routed-expert SwiGLU over compressed-tensors pack-quantized INT4 weights (reference/k26.md §4).
 // Launches: moe_route (group pairs by local expert, zero the arrival counters) -> moe_gemm<0>
 // (gate/up + SiLU·up -> act) -> moe_gemm<1> (down -> y per pair; for T <= fuse_t the last block of
-// each 16-row output tile also does the combine) -> moe_combine (Σ_k w·y per token, only T > fuse_t).
+// each 16-row output tile also does the combine) -> moe_combine (Σ_k w·y per token, only T > fuse_t). The
+// combine starts each sum from an optional bf16 `add` [T, H] (the shared expert's output), read after the wait.
 // moe_route and the two GEMMs are launched with programmatic dependent launch (PDL): moe_route waits for
 // the router's ids; gate/up blocks become resident while moe_route runs and wait for it at their start;
 // down blocks become resident while gate/up runs, stream their first weight stages, and wait for gate/up
@@ -255,13 +256,26 @@ __device__ __forceinline__ bool arrive_last(int* cnt, int expected) {
   return last;
 }
 
-// out[t, row0..row0+15] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s, rows]) in slot order (0 if none).
+// Four bf16 of `add` [T, H] at (tok, h) as fp32, or zeros when add is null.
+__device__ __forceinline__ void load_add4(const u16* add, int H, int tok, int h, float* a) {
+  if (add == nullptr) {
+    a[0] = a[1] = a[2] = a[3] = 0.f;
+    return;
+  }
+  const uint2 v = *reinterpret_cast<const uint2*>(add + (i64)tok * H + h);
+  a[0] = __uint_as_float(v.x << 16), a[1] = __uint_as_float(v.x & 0xffff0000u);
+  a[2] = __uint_as_float(v.y << 16), a[3] = __uint_as_float(v.y & 0xffff0000u);
+}
+
+// out[t, row0..row0+15] = bf16(add[t, rows] + Σ_s owned(t,s) topk_w[t,s] · y[t*k+s, rows]), the sum from add
+// (0 when null) in slot order.
 __device__ void combine_tile(const float* y, const i64* ids, const float* tw, i64 first, int E, int k, int T,
-                             int H, int row0, u16* out) {
+                             int H, int row0, const u16* add, u16* out) {
   const int tid = threadIdx.y * 32 + threadIdx.x, nthr = 32 * blockDim.y;
   for (int idx = tid; idx < T * 4; idx += nthr) {
     const int tok = idx >> 2, h = row0 + 4 * (idx & 3);
-    float a[4] = {0.f, 0.f, 0.f, 0.f};
+    float a[4];
+    load_add4(add, H, tok, h, a);
     for (int s = 0; s < k; ++s) {
       const i64 p = (i64)tok * k + s, e = ids[p] - first;
       if (e < 0 || e >= E) continue;
@@ -342,10 +356,10 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 #define GEMM_PARAMS const u32* __restrict__ W0, const u16* __restrict__ S0, const u32* __restrict__ W1,             \
     const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route, int P, const int* offsets,       \
     const int* order, const int2* items, const int* num_items, void* out, float* part, int* counters, int slots,    \
-    int smax, int split_force, const i64* ids, const float* tw, u16* final_out, i64 first, int E, int T, int fuse,   \
-    int tpb_max
+    int smax, int split_force, const i64* ids, const float* tw, u16* final_out, const u16* add, i64 first, int E, int T,  \
+    int fuse, int tpb_max
 #define GEMM_ARGS W0, S0, W1, S1, B, K, N, k_route, P, offsets, order, items, num_items, out, part, counters,          \
-    slots, smax, split_force, ids, tw, final_out, first, E, T, fuse, tpb_max
+    slots, smax, split_force, ids, tw, final_out, add, first, E, T, fuse, tpb_max
 
 // The body of moe_gemm for na work items, (e, j0) = items[blockIdx.y]: expert e's sorted rows j0 ..
 // j0 + 8·NT - 1 (those it has), one weight pass.
@@ -355,8 +369,11 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.y, NW = blockDim.y, tiles = N / RT;
   if ((int)blockIdx.y >= na) {
-    if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0)
-      for (int m = 0; m < MT; ++m) combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * RT + 16 * m, final_out);
+    if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0) {
+      if (add != nullptr) pdl_wait();  // add's producer may be a PDL predecessor
+      for (int m = 0; m < MT; ++m)
+        combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * RT + 16 * m, add, final_out);
+    }
     return;
   }
   const int KW = K / 8, KG = K / 32, chunks = KG / CG;
@@ -440,7 +457,7 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
       if (arrive_last(&counters[tile], na))
         for (int m = 0; m < MT; ++m)
           combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, tile * RT + 16 * m,
-                       final_out);
+                       add, final_out);
     }
 }
 
@@ -462,14 +479,17 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(GEMM_PARAMS) {
     gemm_block<MODE, NT, DMT == 0 ? 1 : DMT, ST>(GEMM_ARGS, na, item.x, item.y);
 }
 
-// out[t] = bf16(Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]) in slot order; tokens with no local expert get 0.
-// Grid (T, ceil(H / 1024)); block 128; 8 outputs per thread. Requires H % 8 == 0.
+// out[t] = bf16(add[t] + Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]), the sum from add (0 when null) in slot
+// order; tokens with no local expert get add. Grid (T, ceil(H / 1024)); block 128; 8 outputs per thread.
+// Requires H % 8 == 0.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const i64* __restrict__ topk_ids,
                                        const float* __restrict__ topk_w, i64 first, int E, int k, int H,
-                                       u16* __restrict__ out) {
+                                       const u16* __restrict__ add, u16* __restrict__ out) {
   const int tok = blockIdx.x, h = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
   if (h >= H) return;
-  float acc[8] = {};
+  float acc[8];
+  load_add4(add, H, tok, h, acc);
+  load_add4(add, H, tok, h + 4, acc + 4);
   for (int s = 0; s < k; ++s) {
     const i64 p = (i64)tok * k + s, e = topk_ids[p] - first;
     if (e < 0 || e >= E) continue;

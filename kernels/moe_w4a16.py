@@ -2,7 +2,12 @@
 
 Same signature as verifier_service.moe.moe_experts_ref, so the model switches with one flag:
 
-    moe_w4a16(x, topk_ids, topk_weights, experts) -> [T, H] bf16
+    moe_w4a16(x, topk_ids, topk_weights, experts, add=None, add_ready=None) -> [T, H] bf16
+
+add: optional bf16 [T, H] that each token's sum starts from (the shared expert's output, so that it needs no
+launch after the routed experts). add_ready: when `add` is written on another stream, an event recorded after
+it; only the launch that reads `add` (down with the fused combine, or moe_combine) waits for it, so routing and
+gate/up overlap add's producer.
 
 x: bf16 [T, H]. topk_ids: int64 [T, k] global expert ids. topk_weights: fp32 [T, k] (router weights,
 already renormalized and scaled). experts: this rank's `ExpertStack` (duck-typed: `.first` and
@@ -90,12 +95,14 @@ def _stage_bytes(mt: int) -> int:
     return mt * 16 * 20 * 4 + mt * 16 * 4 * 2  # Stage<MT>: words (ROWW = 20) + scales
 
 
-def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts) -> torch.Tensor:
+def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts,
+              add: torch.Tensor | None = None, add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     gate, up, down = experts.gate_proj, experts.up_proj, experts.down_proj
     T, H = x.shape
     E, I = gate.packed.shape[:2]
     k = topk_ids.shape[1]
     assert x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous()
+    assert add is None or (add.dtype == torch.bfloat16 and add.shape == (T, H) and add.is_contiguous())
     assert topk_ids.dtype == torch.int64 and topk_ids.shape == (T, k) and topk_ids.is_contiguous()
     assert topk_weights.dtype == torch.float32 and topk_weights.shape == (T, k) and topk_weights.is_contiguous()
     for w, shape in ((gate, (E, I, H)), (up, (E, I, H)), (down, (E, H, I))):
@@ -107,7 +114,8 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     assert min(GATE_UP_WARPS, GATE_UP_WARPS_FEW) >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0
     out = torch.empty_like(x)
     if T * k == 0:
-        return out.zero_()
+        _wait(add_ready)
+        return out.zero_() if add is None else out.copy_(add)
     ker = get_kernels(cuda_source(CODE), NAMES)
     dev, P = x.device, T * k
     nt = 1 if T <= NT1_MAX_T else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
@@ -134,20 +142,30 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
             (gate, up, H, I, x, act, gate_up_warps, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
+        if mode == 1:
+            _wait(add_ready)
         occ = 4 if mode == 1 and nt == 1 and T > 1 and mt == 1 else 2  # register budget, see the .cu
         launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}, {st}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, items, num_items,
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots[mode], smax, SPLIT or 0,
-               topk_ids, topk_weights, out, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
+               topk_ids, topk_weights, out, add, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
                smem=nw * st * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
     if not fuse:
-        launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, out)
+        _wait(add_ready)  # again, a plain edge: down's blocks without work exit without waiting for add
+        launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, add, out)
     return out
 
 
-def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts) -> torch.Tensor:
-    """fp32 torch reference: per local expert with tokens, exact fp32 dequantization, SwiGLU, weighted sum.
-    Reads the row order and the tiled one (`.tiled`)."""
+def _wait(event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts,
+                  add: torch.Tensor | None = None, add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+    """fp32 torch reference: per local expert with tokens, exact fp32 dequantization, SwiGLU, weighted sum
+    (+ add). Reads the row order and the tiled one (`.tiled`)."""
+    _wait(add_ready)
     from verifier_service.int4 import untile_int4  # the tiled order's definition
 
     def dequant(w, e: int) -> torch.Tensor:  # -> fp32 [out, in]
@@ -166,4 +184,4 @@ def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         act = torch.nn.functional.silu(h @ dequant(experts.gate_proj, e).T) * (h @ dequant(experts.up_proj, e).T)
         y = act @ dequant(experts.down_proj, e).T  # [n, H]
         out.index_add_(0, tok, y * topk_weights[tok, slot, None])
-    return out.to(x.dtype)
+    return (out if add is None else out + add.float()).to(x.dtype)

@@ -178,6 +178,50 @@ def test_moe_w4a16_nothing_local(T):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("T,local", [(1, True), (3, True), (100, True), (3, False), (100, False)])
+def test_moe_w4a16_add_from_another_stream(T, local, graph, monkeypatch):
+    """`add` (the shared expert's output) starts each token's sum: fused combine (T <= 64), moe_combine (T = 100)
+    and no local pair (the output is `add` exactly). It is written on another stream ~1 ms late, and the kernel
+    must read it only after `add_ready`: NaN before that, eagerly and replayed from a CUDA graph."""
+    monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)  # a sync per launch would hide a missing wait
+    H, I = 7168, 2048
+    experts = random_experts(12, H, I, first=5, seed=T)
+    g = torch.Generator("cuda").manual_seed(T)
+    span = 24 if local else 8  # ids 0..23 (some local) or 100..107 (none)
+    ids = torch.stack([torch.randperm(span, generator=g, device="cuda")[:8] for _ in range(T)]) + (0 if local else 100)
+    w = torch.rand(T, 8, generator=g, device="cuda")
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    src = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    add = torch.full_like(src, float("nan"))
+    side = torch.cuda.Stream()
+
+    def call():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)  # cycles: ~1 ms
+            add.copy_(src)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        out = moe_w4a16(x, ids, w, experts, add, ready)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    torch.cuda.synchronize()
+    out = call()
+    if graph:
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            out = call()
+        add.fill_(float("nan"))
+        cg.replay()
+    torch.cuda.synchronize()
+    if local:
+        assert_close(out, moe_w4a16_ref(x, ids, w, experts, src), rel=1e-2, cos=0.9999)
+    else:
+        assert torch.equal(out, src)
+
+
 @pytest.mark.parametrize("rows,prefixes,heads,page_size", [
     ([1], [0], 10, 64),  # first token: only itself
     ([3], [5], 1, 16),

@@ -137,14 +137,17 @@ def assert_rows_close(got, got_routes, want, want_routes, limit: float, what: st
         assert r in exempt or rel < limit, f"{what}: row {r} differs by {rel:.3e} relative (same experts)"
 
 
-def test_full_dimension_step_kernels_match_reference():
-    """Kernels (MLA tree attention + INT4 MoE) against the fp32 reference path of the same weights."""
+@pytest.mark.parametrize("split", [None, (0, 7)])
+def test_full_dimension_step_kernels_match_reference(split):
+    """Kernels (MLA tree attention + INT4 MoE) against the fp32 reference path of the same weights, with the
+    shared expert replicated or split over ranks (then the MoE kernel's combine sums it)."""
     from verifier_service.bench_verify import tree_plan
     from verifier_service.synthetic import k26_config, random_target
+    from verifier_service.weights import Split
     import random
 
     cfg = k26_config(2)
-    w = random_target(cfg, experts=range(0, 55), heads=range(0, 10))
+    w = random_target(cfg, experts=range(0, 55), heads=range(0, 10), split=Split(*split) if split else None)
     cache = PagedKVCache(num_layers=2, width=cfg.kv_cache_width, num_pages=40, page_size=64,
                          dtype=torch.bfloat16, device="cuda")
     cache.table.open("s")
@@ -406,7 +409,9 @@ def test_runner_warm_up_captures_every_graph_before_serving(tmp_path):
 def test_moe_side_stream_equals_one_stream(split, rows, monkeypatch):
     """A MoE layer of 1 or 16 rows with the routed experts on the side stream (SIDE_STREAM_MAX_ROWS) gives the bits of
     the one-stream order, eagerly and replayed from a CUDA graph that forks and joins the side stream, with
-    the shared expert replicated or split over ranks (its down projection adds into the routed sum)."""
+    the shared expert replicated (its down projection adds into the routed sum) or split over ranks (then the side
+    stream runs at every row count: the MoE kernel's combine adds the shared output, and only its down launch waits
+    for the main stream; the graph's replays must give the eager bits)."""
     from verifier_service import moe
     from verifier_service.synthetic import k26_config, random_target
     from verifier_service.weights import Split

@@ -21,9 +21,9 @@ from verifier_service.linear import fuse_rows, on_kernel, project
 from verifier_service.model_config import K2Config
 
 ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
-# Rows up to which the routed experts run beside the shared expert on a side stream. H200, 61-layer K2.6
-# verify step, graph ms, side stream / one stream. Session 15: 1 row 5.88-5.90 / 6.03-6.05, but 2 rows
-# 6.55 / 6.38-6.44 and 16 rows 8.62 / 8.33-8.46. Session 18, with the router, moe_route, norms and SwiGLU
+# Rows up to which the routed experts run beside a replicated shared expert on a side stream (beside a split one
+# always: `_kernel_with_shared`). H200, 61-layer K2.6 verify step, graph ms, side stream / one stream. Session 15:
+# 1 row 5.88-5.90 / 6.03-6.05, but 2 rows 6.55 / 6.38-6.44 and 16 rows 8.62 / 8.33-8.46. Session 18, with the router, moe_route, norms and SwiGLU
 # launched by PDL, both streams' chains overlap better: 1 row 5.28-5.33 / 5.38-5.39; 2 rows 5.70-5.71 /
 # 5.75-5.86; 8 rows 6.30-6.32 / 6.50-6.59; 16 rows 7.45-7.49 / 7.54-7.55. 32 rows were too noisy to say
 # (9.13, 9.70 / 9.24, 9.30).
@@ -217,12 +217,16 @@ def moe_forward(
     Routed experts: the INT4 kernel (`use_kernel` and `kernel_fits`) > the sync-free every-expert path
     (`dense` = this layer's `dense_stack`, given by the model when that path is on, and `dense_fits`) >
     the reference loop (one host sync per call: bincount().tolist()).
-    On a GPU with the INT4 kernel and at most SIDE_STREAM_MAX_ROWS rows, the router and routed experts run on
-    a side stream while the shared expert's gate/up and activation run on this one; the shared down
-    projection then adds into the routed sum."""
+    On a GPU with the INT4 kernel, the router and routed experts run on a side stream beside the shared
+    expert: for a shared expert split over the ranks (the served layout) at every row count, its output summed
+    by the kernel's combine (`_kernel_with_shared`); for a replicated one up to SIDE_STREAM_MAX_ROWS rows, and it
+    is added after the reduce by its down projection (on one rank that projection adds into the routed sum)."""
     shared = w.shared_experts
     if shared is None:
         return all_reduce(routed_experts(x, w, cfg, on_experts, use_kernel, dense))
+    split = shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts
+    if use_kernel and split and kernel_fits(x, w.experts):
+        return all_reduce(_kernel_with_shared(x, w, cfg, on_experts))
     if use_kernel and x.shape[0] <= SIDE_STREAM_MAX_ROWS and kernel_fits(x, w.experts):
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
         side.wait_stream(main)
@@ -232,23 +236,47 @@ def moe_forward(
         main.wait_stream(side)
     else:
         act, routed = swiglu(x, shared, use_kernel), routed_experts(x, w, cfg, on_experts, use_kernel, dense)
-    if shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts:
+    if split:
         return all_reduce(project(act, shared.down_proj, use_kernel, routed))  # split shared expert: partial
     # Replicated shared expert: added after the reduce so it is counted once.
     return project(act, shared.down_proj, use_kernel, all_reduce(routed))
 
 
+def _kernel_with_shared(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
+                        on_experts: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+    """This rank's routed experts (INT4 kernel) + its part of the split shared expert: x [T, H] -> [T, H].
+    The router and the routed experts run on a side stream beside the whole shared MLP, and the kernel's
+    combine starts each token's sum from the shared output: only its down launch waits for the main stream,
+    and no launch follows the routed experts. H200, 61-layer step, rank 0 of 7, graph ms, against the shared
+    down projection adding into the routed sum after the join (side stream up to 16 rows): model routing
+    1 / 16 / 32 / 64 rows 4.918 / 7.217 / 9.090 / 13.160 -> 4.796 / 6.944 / 8.716 / 12.338; uniform routing
+    1 / 16 / 64 rows 4.849 / 13.026 / 26.844 -> 4.734 / 12.856 / 26.049. On one stream from 32 rows it lost
+    1-2 %."""
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)
+    shared = mlp(x, w.shared_experts, True)  # [T, H], beside the router and the routed experts
+    ready = torch.cuda.Event()
+    ready.record(main)
+    with torch.cuda.stream(side):
+        out = routed_experts(x, w, cfg, on_experts, True, None, add=shared, add_ready=ready)
+    main.wait_stream(side)
+    return out
+
+
 def routed_experts(x: torch.Tensor, w: MoEWeights, cfg: K2Config, on_experts: Callable[[torch.Tensor], None] | None,
-                   use_kernel: bool, dense: ExpertStack | None) -> torch.Tensor:
+                   use_kernel: bool, dense: ExpertStack | None, add: torch.Tensor | None = None,
+                   add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Router and this rank's routed experts: x [T, H] -> Σ_k w·expert(x) over local experts [T, H] (see
-    `moe_forward` for the paths)."""
+    `moe_forward` for the paths). add, add_ready: the INT4 kernel's (kernels/moe_w4a16); only that path
+    takes them."""
     topk_ids, topk_weights = route(x, w, cfg, use_kernel)
     if on_experts is not None:
         on_experts(topk_ids)
     if use_kernel and kernel_fits(x, w.experts):
         from kernels.moe_w4a16 import moe_w4a16
 
-        return moe_w4a16(x, topk_ids, topk_weights, w.experts)
+        return moe_w4a16(x, topk_ids, topk_weights, w.experts, add, add_ready)
+    assert add is None, "only the INT4 kernel sums `add`"
     if dense is not None and dense_fits(x.shape[0], dense):
         return moe_experts_dense(x, topk_ids, topk_weights, dense, use_kernel)
     return moe_experts_ref(x, topk_ids, topk_weights, w.experts)
