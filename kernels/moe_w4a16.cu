@@ -356,8 +356,8 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
 #define GEMM_PARAMS const u32* __restrict__ W0, const u16* __restrict__ S0, const u32* __restrict__ W1,             \
     const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route, int P, const int* offsets,       \
     const int* order, const int2* items, const int* num_items, void* out, float* part, int* counters, int slots,    \
-    int smax, int split_force, const i64* ids, const float* tw, u16* final_out, const u16* add, i64 first, int E, int T,  \
-    int fuse, int tpb_max
+    int smax, int split_force, const i64* ids, const float* tw, u16* final_out, const u16* add, i64 first, int E,    \
+    int T, int fuse, int tpb_max
 #define GEMM_ARGS W0, S0, W1, S1, B, K, N, k_route, P, offsets, order, items, num_items, out, part, counters,          \
     slots, smax, split_force, ids, tw, final_out, add, first, E, T, fuse, tpb_max
 

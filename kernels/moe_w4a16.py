@@ -1,6 +1,7 @@
 """Routed-expert SwiGLU MLP over packed INT4 experts (W4A16), and its torch reference.
 
-Same signature as verifier_service.moe.moe_experts_ref, so the model switches with one flag:
+The signature of verifier_service.moe.moe_experts_ref (so the model switches with one flag), plus two optional
+arguments:
 
     moe_w4a16(x, topk_ids, topk_weights, experts, add=None, add_ready=None) -> [T, H] bf16
 

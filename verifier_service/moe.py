@@ -23,10 +23,10 @@ from verifier_service.model_config import K2Config
 ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out, in] tensor
 # Rows up to which the routed experts run beside a replicated shared expert on a side stream (beside a split one
 # always: `_kernel_with_shared`). H200, 61-layer K2.6 verify step, graph ms, side stream / one stream. Session 15:
-# 1 row 5.88-5.90 / 6.03-6.05, but 2 rows 6.55 / 6.38-6.44 and 16 rows 8.62 / 8.33-8.46. Session 18, with the router, moe_route, norms and SwiGLU
-# launched by PDL, both streams' chains overlap better: 1 row 5.28-5.33 / 5.38-5.39; 2 rows 5.70-5.71 /
-# 5.75-5.86; 8 rows 6.30-6.32 / 6.50-6.59; 16 rows 7.45-7.49 / 7.54-7.55. 32 rows were too noisy to say
-# (9.13, 9.70 / 9.24, 9.30).
+# 1 row 5.88-5.90 / 6.03-6.05, but 2 rows 6.55 / 6.38-6.44 and 16 rows 8.62 / 8.33-8.46. Session 18, with the
+# router, moe_route, norms and SwiGLU launched by PDL, both streams' chains overlap better: 1 row 5.28-5.33 /
+# 5.38-5.39; 2 rows 5.70-5.71 / 5.75-5.86; 8 rows 6.30-6.32 / 6.50-6.59; 16 rows 7.45-7.49 / 7.54-7.55. 32 rows
+# were too noisy to say (9.13, 9.70 / 9.24, 9.30).
 SIDE_STREAM_MAX_ROWS = 16
 
 
