@@ -28,7 +28,6 @@ import ctypes
 import functools
 import math
 
-import numpy as np
 import torch
 
 from kernels._compile import cuda_source, device_limits, get_kernels, launch
@@ -146,7 +145,7 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     if config == "wgmma":  # TMA for whole-page tiles where pages hold whole 64-key tiles
         rows = kv_cache.shape[0] * page_size
         args.append(_tensor_map(kv_cache.data_ptr(), rows, q.device.index or 0) if page_size % KT == 0 and TMA
-                    else np.uint64(0))
+                    else None)
     launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem, pdl=ATTN_PDL)
     if splits > 1:
         # the merge kernel and the columns of a query row each of its blocks takes

@@ -25,7 +25,6 @@ norms, 9 of them with RoPE (~150 of its ~295 launches, H200 2026-11-30).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
@@ -186,10 +185,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
         _launch_vec(x, None, weight, out, None, ld, eps)
         return out
     x = x.contiguous()  # a strided view that missed the 16-byte path
-    none = np.uint64(0)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm<{_TYPE[x.dtype]}>"]
-    launch(ker, N, 32 * _warps(D), x, weight, none if cos is None else cos, none if sin is None else sin,
-           out, N, D, heads, float(eps), pdl=PDL)
+    launch(ker, N, 32 * _warps(D), x, weight, cos, sin, out, N, D, heads, float(eps), pdl=PDL)
     return out
 
 
@@ -228,10 +225,8 @@ def _launch_vec(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
     chunks = D * x.element_size() // 16
     warps = max(_warps(D), -(-chunks // (32 * VEC_CHUNKS)))  # every chunk in one thread's registers
-    none = np.uint64(0)
     launch(get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], out.numel() // D,
-           32 * warps, x, none if delta is None else delta, weight, out, none if h_out is None else h_out, D, ld,
-           float(eps), pdl=PDL)
+           32 * warps, x, delta, weight, out, h_out, D, ld, float(eps), pdl=PDL)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:

@@ -114,9 +114,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
     warps, cs = CONFIG or pick_config(N, K, lim.sms, lim.smem_block)
     nt = min(-(-M // 8), MAX_NT)
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}, {_OUT[out_dtype]}>"]
-    add_ptr = np.uint64(0) if add is None else add  # null: no add
     batch = [np.int64(t.stride(0) if t.dim() == 3 else 0) for t in (x, weight, out)]  # elements per batch item
-    launch(ker, (-(-N // 16), -(-M // (8 * nt)), B), (32, warps), x, x.stride(-2), weight, add_ptr, out, M, N, K, cs,
+    launch(ker, (-(-N // 16), -(-M // (8 * nt)), B), (32, warps), x, x.stride(-2), weight, add, out, M, N, K, cs,
            int(sigmoid), out.stride(-2), *batch, smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 

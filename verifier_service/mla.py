@@ -52,6 +52,13 @@ class MLAWeights:
         fuse_rows(self, "qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa")
 
 
+def kv_b_heads(kv_b_proj: torch.Tensor, cfg: K2Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj [h·(nope + v), C] (or a cast of it) as per-head views: W_UK [h, nope, C], W_UV [h, v, C]."""
+    per_head = cfg.qk_nope_head_dim + cfg.v_head_dim
+    kv_b = kv_b_proj.view(kv_b_proj.numel() // (per_head * cfg.kv_lora_rank), per_head, cfg.kv_lora_rank)
+    return kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
     """Statistics in fp32, normalized value cast back to x's dtype, then × weight (HF convention).
     fused: the same in one launch (kernels/rms_norm, CUDA) instead of ~6."""
@@ -109,10 +116,9 @@ def attend_absorbed(
     """MQA over latent rows: q_nope [R, h, nope], q_rope [R, h, rope], keys [S, 576], mask [R, S] -> [R, h*v].
 
     The attention core runs in fp32 whatever the model dtype (kernels accumulate scores and P·V in fp32)."""
-    heads, dtype = q_nope.shape[1], q_nope.dtype
+    dtype = q_nope.dtype
     c, k_rope = keys.float().split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [S, C], [S, rope]
-    kv_b = w.kv_b_proj.float().view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-    w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [h, nope, C], [h, v, C]
+    w_uk, w_uv = kv_b_heads(w.kv_b_proj.float(), cfg)  # [h, nope, C], [h, v, C]
     q_lat = torch.einsum("rhn,hnc->rhc", q_nope.float(), w_uk)  # [R, h, C]
     scores = torch.einsum("rhc,sc->hrs", q_lat, c) + torch.einsum("rhd,sd->hrs", q_rope.float(), k_rope)
     probs = _softmax(scores * cfg.softmax_scale, mask)  # [h, R, S] fp32
@@ -196,10 +202,8 @@ def attend_rows(
 
 def _absorbed_rows(q_nope, q_rope, keys, valid, w: MLAWeights, cfg: K2Config) -> torch.Tensor:
     """fp32 q_nope [t, h, nope], q_rope [t, h, rope], keys [t, S, 576], valid [t, S] -> [t, h*v]."""
-    heads = q_nope.shape[1]
     c, k_rope = keys.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # [t, S, C], [t, S, rope]
-    kv_b = w.kv_b_proj.float().view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-    w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [h, nope, C], [h, v, C]
+    w_uk, w_uv = kv_b_heads(w.kv_b_proj.float(), cfg)  # [h, nope, C], [h, v, C]
     q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [t, h, C]
     scores = torch.einsum("thc,tsc->ths", q_lat, c) + torch.einsum("thd,tsd->ths", q_rope, k_rope)
     probs = _row_softmax(scores * cfg.softmax_scale, valid)  # [t, h, S]
@@ -304,9 +308,7 @@ UV_SKINNY_MAX_ROWS = 16
 def uk_transposed(w: MLAWeights, cfg: K2Config) -> torch.Tensor:
     """W_UK per head as skinny_gemm's [N, K] weights: [h, C, nope] contiguous (a copy made at load: K2.6, 10 heads,
     1.3 MB a layer). kv_b_proj holds it as [h, nope, C], the input dimension first."""
-    heads = w.kv_b_proj.shape[0] // (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    w_uk = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)[:, : cfg.qk_nope_head_dim]
-    return w_uk.transpose(1, 2).contiguous()
+    return kv_b_heads(w.kv_b_proj, cfg)[0].transpose(1, 2).contiguous()
 
 
 def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torch.Tensor,
@@ -324,8 +326,7 @@ def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torc
         if skinny_gemm.fits(x, w_uk_t):
             skinny_gemm.skinny_gemm(x, w_uk_t, out=out)
             return
-    w_uk = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, C)[:, : cfg.qk_nope_head_dim]
-    torch.matmul(x, w_uk, out=out)
+    torch.matmul(x, kv_b_heads(w.kv_b_proj, cfg)[0], out=out)
 
 
 def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged: torch.Tensor,
@@ -340,7 +341,7 @@ def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged:
     T, heads = q.shape[:2]
     if heads == 0:  # a rank without heads (more ranks than heads): contributes nothing
         return q.new_zeros(T, 0)
-    w_uv = w.kv_b_proj.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim:]
+    w_uv = kv_b_heads(w.kv_b_proj, cfg)[1]  # [h, v, C]
     o_lat = mla_tree_attention(q, kv_paged, plan.page_table, plan.prefix_lens, plan.row_starts,
                                plan.tree_mask, plan.write_slots, cfg.softmax_scale)  # [T, h, C]
     out = o_lat.new_empty(T, heads, cfg.v_head_dim)
