@@ -263,8 +263,7 @@ __device__ __forceinline__ void load_add4(const u16* add, int H, int tok, int h,
     return;
   }
   const uint2 v = *reinterpret_cast<const uint2*>(add + (i64)tok * H + h);
-  a[0] = __uint_as_float(v.x << 16), a[1] = __uint_as_float(v.x & 0xffff0000u);
-  a[2] = __uint_as_float(v.y << 16), a[3] = __uint_as_float(v.y & 0xffff0000u);
+  a[0] = bf2f(v.x & 0xffff), a[1] = bf2f(v.x >> 16), a[2] = bf2f(v.y & 0xffff), a[3] = bf2f(v.y >> 16);
 }
 
 // out[t, row0..row0+15] = bf16(add[t, rows] + Σ_s owned(t,s) topk_w[t,s] · y[t*k+s, rows]), the sum from add

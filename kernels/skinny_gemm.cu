@@ -152,9 +152,10 @@ __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* r
 }
 
 // Grid: (tiles·CS, ceil(M / 8·NT), batch) blocks in clusters of CS along x (blockIdx.x = tile·CS + rank; blockIdx.y =
-// row block, rows 8·NT·y ..; blockIdx.z = batch item b: x + b·bx, w + b·bw, out + b·bo); block (32, NW). Dynamic smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp
-// reduction: NW·NT·512 B) + NT·512 B block sums. Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned.
-// out's rows are ldo apart. add: null, or bf16 [M, N] with row stride ldo (OutT = u16 only). sigmoid != 0: out = 1 / (1 + e^-y) (the MoE router's scores; each
+// row block, rows 8·NT·y ..; blockIdx.z = batch item b: x + b·bx, w + b·bw, out + b·bo); block (32, NW). Dynamic
+// smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp reduction: NW·NT·512 B) + NT·512 B block sums.
+// Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned. out's rows are ldo apart. add: null, or bf16
+// [M, N] with row stride ldo (OutT = u16 only). sigmoid != 0: out = 1 / (1 + e^-y) (the MoE router's scores; each
 // element once, over every block's threads).
 template <int NT, typename OutT>
 __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, int ldx, const u16* __restrict__ w,
