@@ -231,28 +231,36 @@ def bench_moe(copy_bw: float) -> list[dict]:
 
 MLA_CASES = ((10, 1, 4096), (10, 16, 4096), (10, 64, 4096), (10, 16, 32768), (10, 64, 32768),
              (64, 1, 4096), (64, 16, 4096), (64, 64, 8192), (10, 1, 65536), (10, 16, 65536), (10, 64, 16384))
+# (heads, sessions, rows, prefix): several sessions in one call, as the verifier batches a verify step; each session
+# has `rows` rows and its own `prefix` keys, which the kernel reads once per session
+MLA_BATCH_CASES = ((10, 8, 1, 4096), (10, 8, 16, 4096), (10, 4, 1, 16384), (10, 8, 1, 16384), (10, 4, 16, 16384))
 BF16_FLOPS = 790e12  # dense bf16 matrix rate measured on the H200 (docs/BENCHMARKS.md)
 
 
 def bench_mla(copy_bw: float, configs: tuple = (None,)) -> list[dict]:
-    """Each case at the launcher's own config (None) and at any forced (query rows, key stages) in
-    `configs`. roof_frac = max(bytes / copy bandwidth, FLOPs / BF16_FLOPS) / time."""
+    """Each case (MLA_CASES: one sequence; MLA_BATCH_CASES: several) at the launcher's own config (None) and at
+    any forced (query rows, key stages) in `configs`. Bytes: every session's keys once + q and out; FLOPs: QK^T
+    and PV of every (row, head) over its session's keys. roof_frac = max(bytes / copy bandwidth, FLOPs /
+    BF16_FLOPS) / time. Batched cases also get a per-kernel breakdown (attention, split merge)."""
     from kernels import mla_tree_attention as mla
 
     rows, scale = [], 0.14467963
-    for heads, n, prefix in MLA_CASES:
-        copies = [mla_case([n], [prefix], heads, K26["PAGE"], seed=i) for i in range(4)]  # rotate: defeat L2
-        keys = prefix + n
-        flops = 2 * n * heads * keys * (576 + 512)
-        nbytes = keys * 1152 + n * heads * (576 + 512) * 2
+    for heads, sessions, n, prefix in [(h, 1, n, p) for h, n, p in MLA_CASES] + list(MLA_BATCH_CASES):
+        copies = [mla_case([n] * sessions, [prefix] * sessions, heads, K26["PAGE"], seed=i)
+                  for i in range(4)]  # rotate: defeat L2
+        keys = prefix + n  # per session
+        flops = sessions * 2 * n * heads * keys * (576 + 512)
+        nbytes = sessions * (keys * 1152 + n * heads * (576 + 512) * 2)
         t_ref = gpu_time([lambda: mla.mla_tree_attention_ref(*copies[0], scale)], reps=3, graph=False)
+        shape = f"h={heads} rows={n}" if sessions == 1 else f"h={heads} sessions={sessions} rows={n}"
         for config in configs:
             mla.CONFIG = config
             t = gpu_time([lambda c=c: mla.mla_tree_attention(*c, scale) for c in copies])
             tag = "auto" if config is None else config if isinstance(config, str) else "mt={} st={}".format(*config)
-            row = result_row("mla_tree_attention", f"h={heads} rows={n} prefix={prefix} {tag}", t, nbytes, copy_bw,
-                             t_ref, flops)
+            row = result_row("mla_tree_attention", f"{shape} prefix={prefix} {tag}", t, nbytes, copy_bw, t_ref, flops)
             row["roof_frac"] = max(nbytes / copy_bw, flops / BF16_FLOPS) / t
+            if sessions > 1:
+                row["breakdown_us"] = kernel_breakdown(lambda: mla.mla_tree_attention(*copies[0], scale))
             rows.append(row)
         mla.CONFIG = None
     return rows
