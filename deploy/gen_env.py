@@ -57,7 +57,7 @@ HOST_VARS: dict[str, tuple[str, str]] = {
                            "(required) host dir of the DFlash drafter (z-lab/Kimi-K2.6-DFlash); at /models/drafter"),
     "DDTREE_IMAGE": ("ddtree-serve:cuda", "image of the verifier and the drafters (CUDA base)"),
     "DDTREE_CPU_IMAGE": ("ddtree-serve:cpu", "image of the gateway (built with BASE_IMAGE=ubuntu:24.04)"),
-    "DDTREE_PUBLISH_ADDR": ("127.0.0.1", "host address the gateway's gRPC and metrics ports are published on"),
+    "DDTREE_PUBLISH_ADDR": ("127.0.0.1", "host address the gateway's gRPC, HTTP and metrics ports are published on"),
 }
 # Read by the processes themselves (not per service):
 PROCESS_VARS: dict[str, tuple[str, str]] = {

@@ -10,6 +10,12 @@ from service_kit.config import ServerConfig, option
 @dataclass(frozen=True)
 class GatewayConfig(ServerConfig):
     port: int = option(50051, "public gRPC port")
+    http_port: int = option(8000, "OpenAI-compatible HTTP port: /v1/chat/completions, /v1/completions, /v1/models, "
+                                  "/health (0 = off)")
+    api_key: str = option("", "bearer token every client must send on both ports (`authorization: Bearer <key>`); "
+                              "empty = no check. Prefer the variable to the flag (argv is visible in ps)", secret=True)
+    served_model_name: str = option("", "the `model` HTTP clients send and /v1/models lists (default: the "
+                                        "verifier's model name, its checkpoint directory's name)")
     model: str = option("", "model dir holding tiktoken.model, tokenizer_config.json, chat_template.jinja")
     verifier: str = option("localhost:50052", "verifier address host:port")
     max_concurrent_requests: int = option(64, "admission limit; excess requests get RESOURCE_EXHAUSTED")
@@ -22,5 +28,7 @@ class GatewayConfig(ServerConfig):
         super().__post_init__()
         if not self.model:
             raise ValueError("model: a tokenizer directory is required (--model)")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port: {self.http_port} is not a TCP port")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests: must be >= 1")

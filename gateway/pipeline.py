@@ -52,6 +52,11 @@ class Gateway:
             default_max_new_tokens=min(self.config.default_max_new_tokens, self.info.max_new_tokens_limit),
             max_tree_budget=self.info.max_tree_budget, max_stop_strings=self.config.max_stop_strings)
 
+    def require_limits(self) -> Limits:
+        if self.limits is None:
+            raise Unavailable("gateway is not connected to a verifier yet")
+        return self.limits
+
     async def refresh_info(self) -> None:
         """Re-reads the verifier's info (drafter replicas come and go); keeps the last one if it is down."""
         try:

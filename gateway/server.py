@@ -7,6 +7,7 @@ import asyncio
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc as pb_grpc
 from gateway.config import GatewayConfig
+from gateway.http_api import start_http
 from gateway.pipeline import Gateway
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import to_job
@@ -24,13 +25,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
-    def _limits(self):
-        if self.gateway.limits is None:
-            raise Unavailable("gateway is not connected to a verifier yet")
-        return self.gateway.limits
-
     async def Generate(self, request, context):
-        job = to_job(request, self.gateway.tokenizer, self._limits())
+        job = to_job(request, self.gateway.tokenizer, self.gateway.require_limits())
         remaining = context.time_remaining()
         timeout = self.gateway.config.default_timeout_s if remaining is None else remaining
         async for response in self.gateway.generate(job, timeout):
@@ -96,6 +92,7 @@ def main(config: GatewayConfig) -> int:
         gateway = Gateway(config, tokenizer)
         lifecycle = Lifecycle()
         tasks = []
+        http = await start_http(gateway, lifecycle, config) if config.http_port else None
 
         async def warmup() -> None:
             await gateway.connect()
@@ -104,10 +101,13 @@ def main(config: GatewayConfig) -> int:
         async def on_stop() -> None:
             for t in tasks:
                 t.cancel()
+            if http is not None:
+                await http.cleanup()
             await gateway.channel.close()
 
         await run_server(config, [Service(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(gateway),
-                                          SERVICE_NAME)], lifecycle=lifecycle, warmup=warmup, on_stop=on_stop)
+                                          SERVICE_NAME)], lifecycle=lifecycle, warmup=warmup, on_stop=on_stop,
+                         api_key=config.api_key)
 
     asyncio.run(run())
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import grpc
@@ -27,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--mode", choices=tuple(MODES), default="default")
     p.add_argument("--tree-budget", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY", ""),
+                   help="the gateway's bearer token [env DDTREE_API_KEY]")
     p.set_defaults(func=generate)
 
 
@@ -61,7 +64,8 @@ def generate(args) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
-            for msg in stub.Generate(build_request(args), timeout=args.timeout_s):
+            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+            for msg in stub.Generate(build_request(args), timeout=args.timeout_s, metadata=metadata):
                 if msg.HasField("chunk"):
                     sys.stdout.write(msg.chunk.text)
                     sys.stdout.flush()

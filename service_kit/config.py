@@ -14,8 +14,9 @@ import typing
 from dataclasses import dataclass, field
 
 
-def option(default, help: str, *, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default, help: str, *, choices: tuple | None = None, secret: bool = False):
+    """A config field; a `secret` one is left out of the printed config (`--dry-run`, logs)."""
+    return field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
 def _field_type(cls, f: dataclasses.Field):

@@ -5,11 +5,13 @@ Uses the shipped tiny model when present (models/), else writes a random tiny K2
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -20,6 +22,7 @@ from service_kit.health import wait_serving
 from service_kit.launcher import resolve_model
 
 PORTS = {"gateway": 50051, "verifier": 50052, "drafter": 50053}
+HTTP_PORT = 8000
 SERVICES = {"gateway": "ddtree.v1.Generation", "verifier": "ddtree.internal.v1.Verifier",
             "drafter": "ddtree.internal.v1.Drafter"}
 PROMPT = "class Stack:\n    def __init__(self):"
@@ -49,12 +52,28 @@ def stream(stub, mode: int, budget: int | None = None, temperature: float | None
             print(f"\n{format_final(msg.final)} ({msg.final.usage.completion_tokens / dt:.1f} tok/s)")
 
 
+def http_completion(prompt: str) -> None:
+    """The same stack through its OpenAI-compatible HTTP API, as any OpenAI client would call it."""
+    base = f"http://127.0.0.1:{HTTP_PORT}/v1"
+    with urllib.request.urlopen(f"{base}/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": 64, "spec_mode": "ddtree", "tree_budget": 16}
+    req = urllib.request.Request(f"{base}/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        answer = json.load(r)
+    choice, stats = answer["choices"][0], answer["spec_stats"]
+    print(f"\n--- POST {base}/completions (greedy, as the DDTREE stream above) ---\n{prompt}{choice['text']}\n"
+          f"[{choice['finish_reason']}] usage={answer['usage']} mode={stats['mode']} "
+          f"tau={stats['mean_acceptance_length']:.2f}")
+
+
 def main() -> int:
     model = resolve_model(os.environ.get("DDTREE_MODEL"))
     print(f"ddtree demo: model {model}", file=sys.stderr)
     cmd = [sys.executable, "-m", "service_kit.cli", "serve", "--model", str(model),
            "--gateway-port", str(PORTS["gateway"]), "--verifier-port", str(PORTS["verifier"]),
-           "--drafter-port", str(PORTS["drafter"])]
+           "--drafter-port", str(PORTS["drafter"]), "--http-port", str(HTTP_PORT)]
     stack = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
         wait_all_serving()
@@ -67,6 +86,7 @@ def main() -> int:
             stream(stub, pb.SPEC_MODE_CHAIN)
             stream(stub, pb.SPEC_MODE_DDTREE, budget=16)
             stream(stub, pb.SPEC_MODE_DDTREE, budget=16, temperature=0.8)
+        http_completion(PROMPT)
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(timeout=60)

@@ -9,11 +9,14 @@ import grpc
 
 
 class ServiceError(Exception):
+    """`field`, when known, names the request field at fault (the HTTP surface reports it as `param`)."""
+
     code = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, field: str | None = None):
         super().__init__(message)
         self.message = message
+        self.field = field
         if code is not None:
             self.code = code
 
@@ -24,8 +27,8 @@ class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+        super().__init__(f"{field}: {message}", field=field)
+        self.detail = message
 
 
 class ResourceExhausted(ServiceError):

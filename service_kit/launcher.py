@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--host", default="127.0.0.1", help="address the services bind")
     p.add_argument("--gateway-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP port (0 = off)")
     p.add_argument("--verifier-port", type=int, default=50052)
     p.add_argument("--drafter-port", type=int, default=50053)
     p.add_argument("--metrics-base-port", type=int, default=0,
@@ -68,7 +69,8 @@ def commands(args) -> list[tuple[str, list[str]]]:
     if not args.no_drafter:
         verifier += ["--drafter", f"{args.host}:{args.drafter_port}"]
     procs = [("verifier", verifier),
-             ("gateway", [*base, "gateway", "--port", str(args.gateway_port), "--model", str(model),
+             ("gateway", [*base, "gateway", "--port", str(args.gateway_port), "--http-port", str(args.http_port),
+                          "--model", str(model),
                           "--verifier", f"{args.host}:{args.verifier_port}", *common, *metrics(0)])]
     if not args.no_drafter:
         procs.insert(0, ("drafter", [*base, "drafter", "--port", str(args.drafter_port),

@@ -22,6 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, grpc_authorization
 from service_kit.config import ServerConfig
 from service_kit.errors import ServiceError
 
@@ -58,6 +59,7 @@ class Lifecycle:
 
     def __init__(self):
         self.draining = False
+        self.serving = False  # readiness of the mounted services (the HTTP surface reports it too)
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -68,6 +70,7 @@ class Lifecycle:
         """Readiness of every mounted service (e.g. the gateway follows its verifier); ignored while draining."""
         if self._health is None or self.draining:
             return
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self._names:
             await self._health.set(name, status)
@@ -91,10 +94,12 @@ class Lifecycle:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps ServiceError subclasses to their status codes, anything else to INTERNAL (logged);
-    binds request_id into the log context; refuses new calls while draining."""
+    binds request_id into the log context; refuses new calls while draining, and calls without the
+    bearer token when an `api_key` is set (health and reflection stay open)."""
 
-    def __init__(self, lifecycle: Lifecycle):
+    def __init__(self, lifecycle: Lifecycle, api_key: str = ""):
         self.lifecycle = lifecycle
+        self.api_key = api_key
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -121,6 +126,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _admit(self, context) -> None:
         if self.lifecycle.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        if not bearer_ok(grpc_authorization(context.invocation_metadata()), self.api_key):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
     async def _fail(self, context, method: str, exc: BaseException) -> None:
         if isinstance(exc, ServiceError):
@@ -181,12 +188,13 @@ class Service:
 
 async def run_server(config: ServerConfig, services: list[Service], *, lifecycle: Lifecycle | None = None,
                      warmup: Callable[[], Awaitable[None]] | None = None,
-                     on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serves until SIGTERM/SIGINT, then drains and stops. `warmup` runs after the port is bound."""
+                     on_stop: Callable[[], Awaitable[None]] | None = None, api_key: str = "") -> None:
+    """Serves until SIGTERM/SIGINT, then drains and stops. `warmup` runs after the port is bound;
+    `api_key`, when set, is the bearer token every call but health and reflection must carry."""
     lifecycle = lifecycle or Lifecycle()
     if config.metrics_port:
         prometheus_client.start_http_server(config.metrics_port)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(lifecycle)], options=grpc_options(config))
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(lifecycle, api_key)], options=grpc_options(config))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:

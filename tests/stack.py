@@ -220,7 +220,9 @@ class Stack:
         return self.verifier
 
     def add_gateway(self, *extra: str, name: str = "gateway", wait: bool = True) -> Proc:
-        p = self._proc(name, "gateway", ["--model", str(self.model), "--verifier", self.verifier.address, *extra])
+        http = [] if "--http-port" in extra else ["--http-port", "0"]  # tests that use HTTP pick a free port
+        args = ["--model", str(self.model), "--verifier", self.verifier.address, *http, *extra]
+        p = self._proc(name, "gateway", args)
         p.start()
         if name == "gateway":
             self.gateway = p

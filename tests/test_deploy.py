@@ -169,8 +169,8 @@ def test_only_the_gateway_publishes_ports(monkeypatch):
             assert {str(config.port), str(config.metrics_port)} <= set(map(str, svc["expose"]))
             continue
         published = {int(p.rsplit(":", 2)[-2]): int(p.rsplit(":", 1)[-1]) for p in svc["ports"]}
-        assert published == {config.port: config.port, config.metrics_port: config.metrics_port}
-        assert config.metrics_port != 0
+        assert published == {p: p for p in (config.port, config.http_port, config.metrics_port)}
+        assert config.metrics_port != 0 and config.http_port != 0
 
 
 @pytest.mark.parametrize("key", sorted(all_services()))

@@ -106,7 +106,7 @@ def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: t
                      "--device", devices[1], "--dtype", dtypes[1], "--drafter", f"127.0.0.1:{ports['drafter']}",
                      "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
                      "--metrics-port", str(ports["verifier_metrics"]), *common],
-        "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--model", str(model_dir),
+        "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--http-port", "0", "--model", str(model_dir),
                     "--verifier", f"127.0.0.1:{ports['verifier']}", *common],
     }
 

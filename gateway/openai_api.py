@@ -1,0 +1,265 @@
+"""OpenAI-style JSON bodies → the public `GenerateRequest`; the public responses → OpenAI JSON.
+
+The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
+gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
+Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_token_ids`, `ignore_eos`,
+`chat_template_kwargs.thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"), `tree_budget`.
+Parameters that would change the target's distribution and are not implemented (penalties, logit bias,
+n > 1, tools) are refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from google.protobuf import json_format
+
+from ddtree.v1 import generation_pb2 as pb
+from service_kit.errors import InvalidArgument
+
+SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
+FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
+                  pb.FINISH_REASON_CANCELLED: "abort"}
+# Refused unless at their no-op value: each would change what is sampled, or how many answers come back.
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
+               "repetition_penalty": 1, "logit_bias": None, "tools": None, "functions": None, "response_format": None}
+CHAT_TEMPLATE_KWARGS = ("thinking",)
+INT32 = 2**31
+
+
+def _get(body: dict, name: str, kind: type | tuple, what: str, default: Any = None) -> Any:
+    """body[name] checked against `kind` (bool is not accepted as a number)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise InvalidArgument(name, f"must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _int(body: dict, name: str, default: int | None = None) -> int | None:
+    value = _get(body, name, int, "an integer", default)
+    if value is not None and not -INT32 <= value < INT32:
+        raise InvalidArgument(name, f"{value} is out of range")
+    return value
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != neutral and value not in ([], {}, ""):
+            raise InvalidArgument(name, f"not supported (only {neutral!r})")
+
+
+def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
+    """The parameters chat and completions share, into `req`."""
+    _check_unsupported(body)
+    for name in ("temperature", "top_p"):
+        value = _get(body, name, (int, float), "a number")
+        if value is not None:
+            setattr(req.sampling, name, value)
+    top_k = _int(body, "top_k")
+    if top_k is not None and top_k != -1:  # vLLM's spelling of "no top-k"
+        req.sampling.top_k = top_k
+    seed = _int(body, "seed")
+    if seed is not None:
+        if seed < 0:
+            raise InvalidArgument("seed", f"must be >= 0, got {seed}")
+        req.sampling.seed = seed
+    max_tokens = _int(body, "max_completion_tokens", _int(body, "max_tokens"))
+    if max_tokens is not None:
+        req.stopping.max_new_tokens = max_tokens
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidArgument("stop", "must be a string or a list of strings")
+    req.stopping.stop.extend(stops)
+    ids = _get(body, "stop_token_ids", list, "a list of token ids", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and -INT32 <= t < INT32 for t in ids):
+        raise InvalidArgument("stop_token_ids", "must be a list of token ids")
+    req.stopping.stop_token_ids.extend(ids)
+    req.stopping.ignore_eos = _get(body, "ignore_eos", bool, "a boolean", False)
+    _speculation(body, req)
+
+
+def _speculation(body: dict, req: pb.GenerateRequest) -> None:
+    mode = _get(body, "spec_mode", str, "a string")
+    if mode is not None:
+        if mode not in SPEC_MODES:
+            raise InvalidArgument("spec_mode", f"must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
+        req.speculation.mode = SPEC_MODES[mode]
+    budget = _int(body, "tree_budget")
+    if budget is not None:
+        req.speculation.tree_budget = budget
+
+
+def completion_request(body: dict) -> pb.GenerateRequest:
+    """POST /v1/completions: `prompt` is a string or a list of token ids (or a one-element list of either)."""
+    req = pb.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(-INT32 <= t < INT32 for t in prompt):
+            raise InvalidArgument("prompt", "token id out of range")
+        req.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidArgument("prompt", "one prompt per request (batches are not supported)")
+    else:
+        raise InvalidArgument("prompt", "must be a string or a non-empty list of token ids")
+    logprobs = _int(body, "logprobs")
+    if logprobs is not None and logprobs != 0:
+        raise InvalidArgument("logprobs", "only 0 is supported (the sampled token's logprob, no alternatives)")
+    req.return_logprobs = logprobs is not None
+    _sampling_and_stopping(body, req)
+    return req
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidArgument(f"messages[{i}].content[{j}]", "only {\"type\": \"text\", \"text\": ...} parts")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_request(body: dict) -> pb.GenerateRequest:
+    """POST /v1/chat/completions: `messages` through the model's chat template, in the gateway."""
+    req = pb.GenerateRequest()
+    messages = _get(body, "messages", list, "a list of messages")
+    if not messages:
+        raise InvalidArgument("messages", "must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidArgument(f"messages[{i}]", "must be an object with a string role")
+        if m.get("tool_calls"):
+            raise InvalidArgument(f"messages[{i}].tool_calls", "not supported")
+        req.chat.messages.add(role=m["role"], content=_content(m, i))
+    kwargs = _get(body, "chat_template_kwargs", dict, "an object", {})
+    for key, value in kwargs.items():
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise InvalidArgument(f"chat_template_kwargs.{key}", f"unknown (known: {', '.join(CHAT_TEMPLATE_KWARGS)})")
+        thinking = _get(kwargs, key, bool, "a boolean")
+        if thinking is not None:
+            req.chat.thinking = thinking
+    top = _int(body, "top_logprobs")
+    if top:
+        raise InvalidArgument("top_logprobs", "only 0 is supported (the sampled token's logprob, no alternatives)")
+    req.return_logprobs = _get(body, "logprobs", bool, "a boolean", False)
+    _sampling_and_stopping(body, req)
+    return req
+
+
+def openai_param(field: str, body: dict, chat: bool) -> str:
+    """A validation error's proto field path → the OpenAI parameter the client sent."""
+    max_tokens = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    renames = (("sampling.", ""), ("stopping.max_new_tokens", max_tokens), ("stopping.", ""),
+               ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"),
+               ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),
+               ("request_id", "x-request-id"))
+    for old, new in renames:
+        if field.startswith(old):
+            return new + field[len(old):]
+    return field
+
+
+class OpenAIResponse:
+    """One request's `GenerateResponse` messages as OpenAI JSON: streamed chunks (`start`, `chunk`, `end`) or,
+    after `add`ing every message, the whole `response()`. Extensions: `spec_stats` beside `usage` (DDTree's
+    per-request speculation summary) and vLLM's `stop_reason` (the matched stop string or token id)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, include_usage: bool):
+        self.chat, self.model, self.tok = chat, model, tokenizer
+        self.request_id = request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.logprobs, self.include_usage = logprobs, include_usage
+        self.texts: list[str] = []
+        self.lps: list = []  # chat: the content entries; completions: (token, logprob) pairs
+        self.offset = 0  # completions' text_offset of the next token, characters
+        self.final: pb.Final | None = None
+
+    def _envelope(self, choices: list[dict], stream: bool, **extra) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def _logprobs(self, chunk: pb.Chunk) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.token_bytes(t)),
+                                 "top_logprobs": []} for t, lp in zip(chunk.token_ids, chunk.logprobs)]}
+        tokens = [self.tok.decode([t]) for t in chunk.token_ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": list(chunk.logprobs), "top_logprobs": None, "text_offset": offsets}
+
+    def _finish(self, final: pb.Final) -> dict:
+        stop = final.matched_stop or (final.matched_stop_token_id if final.HasField("matched_stop_token_id") else None)
+        return {"finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"), "stop_reason": stop}
+
+    def _usage_and_stats(self, final: pb.Final) -> dict:
+        u = final.usage
+        stats = json_format.MessageToDict(final.spec_stats, preserving_proto_field_name=True,
+                                          always_print_fields_with_no_presence=True)
+        stats["mode"] = pb.SpecMode.Name(final.spec_stats.mode).removeprefix("SPEC_MODE_").lower()
+        return {"usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                          "total_tokens": u.prompt_tokens + u.completion_tokens}, "spec_stats": stats}
+
+    def start(self) -> dict | None:
+        """The stream's first event: chat announces the assistant role; completions send nothing."""
+        if not self.chat:
+            return None
+        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}], True)
+
+    def chunk(self, chunk: pb.Chunk) -> dict | None:
+        """A streamed event for one chunk; None when it carries nothing to show (text held back, no logprobs)."""
+        if not chunk.text and not (self.logprobs and chunk.token_ids):
+            return None
+        body = {"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text}
+        return self._envelope([{"index": 0, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}], True)
+
+    def end(self, final: pb.Final) -> list[dict]:
+        """The stream's last events: the finish reason (with spec_stats), then usage if asked for."""
+        body = {"delta": {}} if self.chat else {"text": ""}
+        stats = self._usage_and_stats(final)
+        events = [self._envelope([{"index": 0, **body, "logprobs": None, **self._finish(final)}], True,
+                                 spec_stats=stats["spec_stats"])]
+        if self.include_usage:
+            events.append(self._envelope([], True, usage=stats["usage"]))
+        return events
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        if msg.HasField("final"):
+            self.final = msg.final
+            return
+        self.texts.append(msg.chunk.text)
+        lp = self._logprobs(msg.chunk)
+        if lp is not None:
+            self.lps.append(lp)
+
+    def response(self) -> dict:
+        """The whole non-streamed response, after `add` saw the final message."""
+        text = "".join(self.texts)
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        logprobs = None
+        if self.logprobs and self.chat:
+            logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}
+        elif self.logprobs:
+            logprobs = {k: [x for lp in self.lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
+            logprobs["top_logprobs"] = None
+        return self._envelope([{"index": 0, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
+                              **self._usage_and_stats(self.final))

@@ -1,0 +1,228 @@
+"""The gateway's OpenAI-compatible HTTP surface on the real stack (drafter, verifier, gateway processes; random
+tiny model), driven by the official `openai` client: greedy DDTree output over HTTP equals plain AR decoding
+over gRPC, streamed deltas add up to it, logprobs and stop strings match the gRPC path's, every refusal is an
+OpenAI error naming its parameter, the bearer token guards both ports, and a client that hangs up frees its
+session."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import grpc
+import openai
+import pytest
+from stack import PROMPTS, free_port, gen_request, generate, new_stack, pb, tiny_ckpt, wait_until  # noqa: F401
+
+KEY = "test-key-123"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+N = 40
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three trees."}]
+DDTREE = {"spec_mode": "ddtree", "tree_budget": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(request, tiny_ckpt, tmp_path_factory):
+    with new_stack(request, tiny_ckpt, tmp_path_factory) as st:
+        st.http_port = free_port()
+        st.add_drafter(wait=False)
+        st.add_verifier(wait=False)
+        st.add_gateway("--http-port", str(st.http_port), "--api-key", KEY)
+        yield st
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def idle(stack):
+    yield stack
+    wait_until(lambda: stack.verifier_info().pages_used == 0 and stack.drafter_info().sessions == 0, 10,
+               "KV pages and drafter sessions to return to 0")
+
+
+def grpc_ar(stack, req: pb.GenerateRequest, max_new: int = N):
+    """The reference: plain autoregressive decoding of the same input through gRPC Generate."""
+    req.stopping.max_new_tokens = max_new
+    req.stopping.ignore_eos = True
+    req.speculation.mode = pb.SPEC_MODE_AR
+    return generate(_Authed(stack.generation), req)
+
+
+class _Authed:
+    def __init__(self, stub):
+        self.stub = stub
+
+    def Generate(self, req, timeout):
+        return self.stub.Generate(req, timeout=timeout, metadata=AUTH)
+
+
+def chat_ref(stack):
+    req = pb.GenerateRequest()
+    for m in CHAT:
+        req.chat.messages.add(**m)
+    return grpc_ar(stack, req)
+
+
+def raw(stack, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, resp.read(), resp
+
+
+def test_models_and_health(stack, client):
+    assert raw(stack, "GET", "/health", key=None)[0] == 200
+    models = client.models.list().data
+    assert [m.id for m in models] == [stack.verifier_info().model_name]
+
+
+def test_chat_greedy_ddtree_equals_grpc_ar(idle, client):
+    ref = chat_ref(idle)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, extra_body=DDTREE)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.final.usage.prompt_tokens, N)
+    stats = r.model_extra["spec_stats"]
+    assert stats["mode"] == "ddtree" and stats["tree_budget"] == 16 and stats["verify_steps"] >= 1, stats
+
+
+def test_chat_stream_adds_up_to_the_reference(idle, client):
+    ref = chat_ref(idle)
+    events = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, max_tokens=N,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=DDTREE))
+    assert events[0].choices[0].delta.role == "assistant"
+    text = "".join(c.delta.content or "" for e in events for c in e.choices)
+    assert text == ref.text
+    assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] == ["length"]
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == N
+    assert len({e.id for e in events}) == 1 and events[0].id.startswith("chatcmpl-")
+
+
+def test_completions_token_ids_with_logprobs_equal_grpc(idle, client):
+    req = pb.GenerateRequest(return_logprobs=True)
+    req.token_ids.ids.extend(PROMPTS[2])
+    ref = grpc_ar(idle, req)
+    ref_lps = [lp for msg in _Authed(idle.generation).Generate(req, 60) if msg.HasField("chunk")
+               for lp in msg.chunk.logprobs]
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=N, logprobs=0,
+                                  extra_body=DDTREE)
+    choice = r.choices[0]
+    assert choice.text == ref.text and r.usage.completion_tokens == len(ref.ids) == N
+    assert len(choice.logprobs.tokens) == N
+    assert choice.logprobs.token_logprobs == pytest.approx(ref_lps, abs=1e-4)  # AR vs tree rows: same target
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_string_truncates_like_grpc(idle, client, stream):
+    ref = grpc_ar(idle, gen_request(PROMPTS[3], N))
+    stop = next(ref.text[i:i + 2] for i in range(5, len(ref.text) - 2) if ref.text[i:i + 2].strip())
+    kwargs = dict(model=client.models.list().data[0].id, prompt=PROMPTS[3], max_tokens=N, stop=[stop],
+                  extra_body=DDTREE)
+    if stream:
+        events = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.text for e in events for c in e.choices)
+        last = events[-1].choices[0]
+    else:
+        last = client.completions.create(**kwargs).choices[0]
+        text = last.text
+    assert text == ref.text[:ref.text.index(stop)]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("kwargs, status, param", [
+    (dict(temperature=-1), 400, "temperature"),
+    (dict(max_tokens=100000), 400, "max_tokens"),
+    (dict(n=2), 400, "n"),
+    (dict(extra_body={"tree_budget": 0}), 400, "tree_budget"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role"),
+    (dict(model="gpt-5"), 404, "model"),
+])
+def test_bad_requests_name_the_parameter(idle, client, kwargs, status, param):
+    args = {"model": client.models.list().data[0].id, "messages": CHAT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**args)
+    err = e.value.response.json()["error"]
+    assert e.value.status_code == status and err["param"] == param, err
+    model = client.models.list().data[0].id  # and the service goes on serving
+    assert client.chat.completions.create(model=model, messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_malformed_bodies_and_paths(idle):
+    for body, param in ((b"{not json", "body"), (b"[1, 2]", "body"), (json.dumps({"prompt": 5}).encode(), "prompt")):
+        status, data, _ = raw(idle, "POST", "/v1/completions", body)
+        assert status == 400 and json.loads(data)["error"]["param"] == param, data
+    assert raw(idle, "GET", "/v1/nope")[0] == 404
+    assert raw(idle, "GET", "/v1/completions")[0] == 405
+
+
+def test_bearer_token_guards_both_ports(idle, client):
+    for key in (None, "wrong"):
+        status, data, _ = raw(idle, "GET", "/v1/models", key=key)
+        assert status == 401 and json.loads(data)["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
+    req = gen_request(PROMPTS[0], 2)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(idle.generation, req)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(generate(_Authed(idle.generation), gen_request(PROMPTS[0], 2)).ids) == 2
+    assert raw(idle, "GET", "/health", key=None)[0] == 200
+
+
+def _open_stream(port: int, body: dict) -> http.client.HTTPConnection:
+    """A streamed completion read up to its first event; closing the returned connection hangs up."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    assert resp.readline().startswith(b"data: {")  # the first token has come
+    return conn
+
+
+def test_client_hangup_frees_the_session(idle):
+    model = idle.verifier_info().model_name
+    conn = _open_stream(idle.http_port, {"model": model, "prompt": PROMPTS[2], "max_tokens": 250, "stream": True,
+                                         **DDTREE})
+    wait_until(lambda: idle.drafter_info().sessions == 1, 10, "the drafter to hold the session")
+    assert idle.verifier_info().pages_used > 0
+    t0 = time.monotonic()
+    conn.close()
+    wait_until(lambda: idle.verifier_info().pages_used == 0, 5, "KV pages freed after the hang-up", period=0.02)
+    assert time.monotonic() - t0 < 2.0
+    wait_until(lambda: idle.drafter_info().sessions == 0, 5, "drafter session released after the hang-up")
+
+
+def test_admission_limit_is_429(idle):
+    port = free_port()
+    gw = idle.add_gateway("--max-concurrent-requests", "1", "--http-port", str(port), name="gateway-http-admission")
+    try:
+        model = idle.verifier_info().model_name
+        held = _open_stream(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": 250, "stream": True,
+                                   "spec_mode": "ar", "ignore_eos": True})
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=model, prompt="x", max_tokens=2)
+        assert e.value.response.headers["Retry-After"] == "1"
+        held.close()
+        wait_until(lambda: idle.verifier_info().pages_used == 0, 5, "the held stream to end")
+        assert c.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        gw.kill()
+
+
+def test_cli_generate_sends_the_token(idle, capsys):
+    from service_kit.cli import main
+    args = ["generate", "--address", idle.gateway.address, "--max-new-tokens", "3", "--mode", "ar", "hello"]
+    assert main([*args, "--api-key", KEY]) == 0
+    assert "completion=3" in capsys.readouterr().err
+    assert main([*args, "--api-key", ""]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err

@@ -1,0 +1,191 @@
+"""The OpenAI JSON ↔ ddtree.v1 conversions (gateway/openai_api.py) and the HTTP error mapping, without a
+server: each request field lands in the proto field the gRPC API documents; every refusal names the OpenAI
+parameter the client sent; streamed events add up to the non-streamed response."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from ddtree.v1 import generation_pb2 as pb
+from gateway.http_api import error_body
+from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param
+from gateway.tokenizer import KimiTokenizer
+from gateway.validation import Limits, to_job
+from service_kit.errors import InvalidArgument, ResourceExhausted, ServiceError
+
+LIMITS = Limits(vocab_size=1000, max_context=64, max_new_tokens=32, default_max_new_tokens=8, max_tree_budget=16,
+                max_stop_strings=2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return KimiTokenizer.from_dir("models/kimi-tiny")
+
+
+def test_completion_fields_land_in_the_proto():
+    req = completion_request({"prompt": "hi", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7,
+                              "max_tokens": 12, "stop": "\n", "stop_token_ids": [3], "ignore_eos": True,
+                              "spec_mode": "chain", "tree_budget": 4, "logprobs": 0, "n": 1, "echo": False})
+    assert req.text == "hi" and req.return_logprobs
+    assert (req.sampling.temperature, round(req.sampling.top_p, 6), req.sampling.top_k, req.sampling.seed) == \
+        (0.5, 0.9, 5, 7)
+    assert req.stopping.max_new_tokens == 12 and list(req.stopping.stop) == ["\n"]
+    assert list(req.stopping.stop_token_ids) == [3] and req.stopping.ignore_eos
+    assert req.speculation.mode == pb.SPEC_MODE_CHAIN and req.speculation.tree_budget == 4
+
+
+def test_completion_prompt_forms_and_defaults():
+    assert list(completion_request({"prompt": [5, 6, 7]}).token_ids.ids) == [5, 6, 7]
+    assert list(completion_request({"prompt": [[5, 6]]}).token_ids.ids) == [5, 6]
+    assert completion_request({"prompt": ["one"]}).text == "one"
+    req = completion_request({"prompt": "x", "top_k": -1, "stop": None})
+    for field in ("temperature", "top_p", "top_k", "seed"):
+        assert not req.sampling.HasField(field), field  # unset: the server's default (greedy), as over gRPC
+    assert not req.stopping.HasField("max_new_tokens") and not req.return_logprobs
+    assert req.speculation.mode == pb.SPEC_MODE_UNSPECIFIED
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": [2**40]}, "prompt"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "spec_mode": "eagle"}, "spec_mode"),
+    ({"prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+])
+def test_completion_refusals_name_the_parameter(body, param):
+    with pytest.raises(InvalidArgument) as e:
+        completion_request(body)
+    assert e.value.field == param, e.value.message
+
+
+def test_chat_messages_parts_and_template_kwargs():
+    req = chat_request({"messages": [{"role": "system", "content": "be brief"},
+                                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]},
+                                     {"role": "assistant", "content": None}],
+                        "chat_template_kwargs": {"thinking": False}, "logprobs": True, "top_logprobs": 0,
+                        "max_completion_tokens": 5, "max_tokens": 9})
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "a\nb"),
+                                                                ("assistant", "")]
+    assert req.chat.HasField("thinking") and not req.chat.thinking
+    assert req.return_logprobs and req.stopping.max_new_tokens == 5  # max_completion_tokens wins, as at OpenAI
+    assert not chat_request({"messages": [{"role": "user", "content": "x"}]}).chat.HasField("thinking")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"mode": 1}},
+     "chat_template_kwargs.mode"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "no"}}, "thinking"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+])
+def test_chat_refusals_name_the_parameter(body, param):
+    with pytest.raises(InvalidArgument) as e:
+        chat_request(body)
+    assert e.value.field == param, e.value.message
+
+
+@pytest.mark.parametrize("body, chat, param", [
+    ({"prompt": "x", "temperature": -1}, False, "temperature"),
+    ({"prompt": "x", "top_p": 0}, False, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 99}, True, "max_completion_tokens"),
+    ({"prompt": "x", "stop": ["a", "b", "c"]}, False, "stop"),
+    ({"prompt": "x", "stop": ["a", ""]}, False, "stop[1]"),
+    ({"prompt": "x", "stop_token_ids": [5000]}, False, "stop_token_ids[0]"),
+    ({"prompt": "x", "tree_budget": 99}, False, "tree_budget"),
+    ({"prompt": [1, 2, 5000]}, False, "prompt[2]"),
+    ({"prompt": "x" * 400}, False, "prompt"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, True, "messages[0].role"),
+])
+def test_validation_errors_carry_openai_names(tok, body, chat, param):
+    """The shared validation (gateway/validation.py) names proto paths; the HTTP client sees its own names."""
+    req = chat_request(body) if chat else completion_request(body)
+    with pytest.raises(InvalidArgument) as e:
+        to_job(req, tok, LIMITS)
+    assert openai_param(e.value.field, body, chat) == param, e.value.message
+
+
+def _messages(tok, pieces: list[str], logprobs: list[float]) -> list[pb.GenerateResponse]:
+    msgs = []
+    for text, lp in zip(pieces, logprobs):
+        ids = tok.encode(text)
+        msgs.append(pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=text, logprobs=[lp] * len(ids))))
+    msgs.append(pb.GenerateResponse(chunk=pb.Chunk(token_ids=[7], text="", logprobs=[-3.0])))  # held back
+    stats = pb.SpecStats(verify_steps=2, accepted_draft_tokens=3, mean_acceptance_length=2.5, tree_budget=16,
+                         draft_tokens=32, mode=pb.SPEC_MODE_DDTREE, acceptance_histogram=[0, 1, 1])
+    msgs.append(pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, matched_stop="END",
+                                                   usage=pb.Usage(prompt_tokens=4, completion_tokens=5),
+                                                   spec_stats=stats)))
+    return msgs
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_streamed_events_add_up_to_the_response(tok, chat):
+    msgs = _messages(tok, ["Hello", " world"], [-0.5, -1.25])
+    whole = OpenAIResponse(chat, "r1", "m", tok, logprobs=True, include_usage=True)
+    for m in msgs:
+        whole.add(m)
+    full = whole.response()
+    streamed = OpenAIResponse(chat, "r1", "m", tok, logprobs=True, include_usage=True)
+    events = [streamed.start()] + [streamed.chunk(m.chunk) for m in msgs[:-1]] + streamed.end(msgs[-1].final)
+    events = [e for e in events if e is not None]
+    choice = full["choices"][0]
+    assert full["id"] == ("chatcmpl-r1" if chat else "cmpl-r1")
+    assert full["object"] == ("chat.completion" if chat else "text_completion")
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "END")
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert full["spec_stats"]["mode"] == "ddtree" and full["spec_stats"]["acceptance_histogram"] == [0, 1, 1]
+    text = (choice["message"]["content"] if chat else choice["text"])
+    assert text == "Hello world"
+    deltas = [c["delta"].get("content", "") if chat else c["text"] for e in events for c in e["choices"]]
+    assert "".join(deltas) == text
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == full["usage"]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-2]["spec_stats"] == full["spec_stats"]
+    n = len(tok.encode("Hello")) + len(tok.encode(" world")) + 1
+    if chat:
+        content = choice["logprobs"]["content"]
+        assert len(content) == n and content[0]["logprob"] == -0.5 and content[-1]["logprob"] == -3.0
+        assert b"".join(bytes(c["bytes"]) for c in content[:-1]) == b"Hello world"
+    else:
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == n
+        assert "".join(lp["tokens"][:-1]) == "Hello world" and lp["text_offset"][1] == len(lp["tokens"][0])
+        assert lp["token_logprobs"][-2:] == [-1.25, -3.0]
+
+
+def test_error_statuses():
+    cases = [(InvalidArgument("temperature", "bad"), 400, "temperature"),
+             (ResourceExhausted("full"), 429, None),
+             (ServiceError("down", grpc.StatusCode.UNAVAILABLE), 503, None),
+             (ServiceError("late", grpc.StatusCode.DEADLINE_EXCEEDED), 504, None),
+             (ServiceError("who", grpc.StatusCode.UNAUTHENTICATED), 401, None),
+             (ServiceError("boom"), 500, None)]
+    for err, status, param in cases:
+        got, body = error_body(err)
+        assert got == status and body["error"]["param"] == param and body["error"]["message"] == err.message
