@@ -15,11 +15,12 @@ import contextlib
 import json
 
 import grpc
+import structlog
 from aiohttp import web
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.config import GatewayConfig
-from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param
+from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param, stream_flags
 from gateway.pipeline import Gateway
 from gateway.validation import to_job
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
@@ -102,6 +103,7 @@ class Handlers:
             raise NotFound(f"model: {body['model']!r} is not served here (this gateway serves {model!r})",
                            field="model")
         req = chat_request(body) if chat else completion_request(body)
+        stream, usage = stream_flags(body)
         req.request_id = request.headers.get("X-Request-Id", "")
         try:
             job = to_job(req, self.gateway.tokenizer, self.gateway.require_limits())
@@ -110,23 +112,27 @@ class Handlers:
             raise InvalidArgument(field, e.detail) from e
         if self.lifecycle.draining:
             raise Unavailable("server is draining")
-        options = body.get("stream_options") or {}
-        usage = isinstance(options, dict) and bool(options.get("include_usage"))
         out = OpenAIResponse(chat, job.request.request_id, model, self.gateway.tokenizer, req.return_logprobs, usage)
         self.lifecycle.enter()
         try:
-            async with contextlib.aclosing(self.gateway.generate(job, self.gateway.config.default_timeout_s)) as msgs:
-                first = await anext(msgs, None)  # admission and verifier errors surface here, before any byte
-                if first is None:
-                    raise Unavailable("verifier stream ended without a message")
-                if body.get("stream"):
-                    return await _stream(request, out, first, msgs)
-                out.add(first)
-                async for msg in msgs:
-                    out.add(msg)
-                return web.json_response(out.response(), headers={"X-Request-Id": out.request_id})
+            timeout = self.gateway.config.default_timeout_s
+            with structlog.contextvars.bound_contextvars(request_id=out.request_id, method=request.path):
+                return await _respond(request, out, self.gateway.generate(job, timeout), stream)
         finally:
             self.lifecycle.exit()
+
+
+async def _respond(request: web.Request, out: OpenAIResponse, generation, stream: bool) -> web.StreamResponse:
+    async with contextlib.aclosing(generation) as msgs:
+        first = await anext(msgs, None)  # admission and verifier errors surface here, before any byte
+        if first is None:
+            raise Unavailable("verifier stream ended without a message")
+        if stream:
+            return await _stream(request, out, first, msgs)
+        out.add(first)
+        async for msg in msgs:
+            out.add(msg)
+        return web.json_response(out.response(), headers={"X-Request-Id": out.request_id})
 
 
 async def _json_object(request: web.Request) -> dict:

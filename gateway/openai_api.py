@@ -28,13 +28,13 @@ CHAT_TEMPLATE_KWARGS = ("thinking",)
 INT32 = 2**31
 
 
-def _get(body: dict, name: str, kind: type | tuple, what: str, default: Any = None) -> Any:
-    """body[name] checked against `kind` (bool is not accepted as a number)."""
+def _get(body: dict, name: str, kind: type | tuple, what: str, default: Any = None, parent: str = "") -> Any:
+    """body[name] checked against `kind` (bool is not accepted as a number); `parent` prefixes the error's field."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-        raise InvalidArgument(name, f"must be {what}, got {type(value).__name__}")
+        raise InvalidArgument(parent + name, f"must be {what}, got {type(value).__name__}")
     return value
 
 
@@ -148,7 +148,7 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     for key, value in kwargs.items():
         if key not in CHAT_TEMPLATE_KWARGS:
             raise InvalidArgument(f"chat_template_kwargs.{key}", f"unknown (known: {', '.join(CHAT_TEMPLATE_KWARGS)})")
-        thinking = _get(kwargs, key, bool, "a boolean")
+        thinking = _get(kwargs, key, bool, "a boolean", parent="chat_template_kwargs.")
         if thinking is not None:
             req.chat.thinking = thinking
     top = _int(body, "top_logprobs")
@@ -157,6 +157,13 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     req.return_logprobs = _get(body, "logprobs", bool, "a boolean", False)
     _sampling_and_stopping(body, req)
     return req
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(`stream`, `stream_options.include_usage`)."""
+    options = _get(body, "stream_options", dict, "an object", {})
+    include_usage = _get(options, "include_usage", bool, "a boolean", False, parent="stream_options.")
+    return _get(body, "stream", bool, "a boolean", False), include_usage
 
 
 def openai_param(field: str, body: dict, chat: bool) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.http_api import error_body
-from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param
+from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param, stream_flags
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import Limits, to_job
 from service_kit.errors import InvalidArgument, ResourceExhausted, ServiceError
@@ -75,6 +75,16 @@ def test_completion_refusals_name_the_parameter(body, param):
     assert e.value.field == param, e.value.message
 
 
+def test_stream_flags():
+    assert stream_flags({}) == (False, False)
+    assert stream_flags({"stream": True, "stream_options": {"include_usage": True}}) == (True, True)
+    for body, param in (({"stream": "yes"}, "stream"), ({"stream_options": []}, "stream_options"),
+                        ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage")):
+        with pytest.raises(InvalidArgument) as e:
+            stream_flags(body)
+        assert e.value.field == param
+
+
 def test_chat_messages_parts_and_template_kwargs():
     req = chat_request({"messages": [{"role": "system", "content": "be brief"},
                                      {"role": "user", "content": [{"type": "text", "text": "a"},
@@ -99,7 +109,8 @@ def test_chat_messages_parts_and_template_kwargs():
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"mode": 1}},
      "chat_template_kwargs.mode"),
-    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "no"}}, "thinking"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "no"}},
+     "chat_template_kwargs.thinking"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
