@@ -99,17 +99,40 @@ def _tensor_map(ptr: int, rows: int, device: int) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).to(f"cuda:{device}")
 
 
+# _split's cost unit: a "tile step", the time every block slot takes to stream one 64-key tile (64 x 1152 B =
+# 73.7 KB; ~2.9 us on the H200 with all 132 SMs streaming). Bytes of other traffic convert at the same rate.
+TILE_BYTES = KT * D * 2
+# A block's fixed cost in tile steps: its launch, the page-table round trip before its first key tile, the Q
+# load and its epilogue. Blocks of the first wave hide part of it behind the kernel before (PDL), later waves
+# pay it whole. Fitted to session 22's forced split counts (H200, 8 sessions x 1 row x 4K / 16K keys: a second
+# wave of 2 / 8 tiles a block cost 3.3-3.8 us more than one wave of 5 / 17 tiles, i.e. ~1.1-1.7 tile steps).
+BLOCK_FIXED_TILES = 1.0
+
+
 @functools.lru_cache(maxsize=4096)
-def _split(q_blocks: int, max_keys: int, slots: int, forced: int | None = None) -> int:
-    """-> split count from shapes only (graph-safe): for the page table's capacity `max_keys`, minimizes
-    waves x (tiles per split + 0.5), where `slots` blocks run at once and 0.5 tile stands for a split's
-    partial-O write and merge; ties go to fewer splits. The kernel spreads each sequence's actual keys
-    over that many splits (split_chunk in the .cu). `forced`: the bench's split count instead."""
+def _split(blocks: int, block_rows: int, queries: int, max_keys: int, slots: int, forced: int | None = None,
+           exact: bool = True) -> int:
+    """-> split count from shapes only (graph-safe): for the page table's capacity `max_keys`, minimizes the
+    predicted time in tile steps (TILE_BYTES) of `blocks` blocks per split (`slots` run at once), each with up
+    to `block_rows` (row, head) queries, `queries` in all:
+        waves x (tiles per split + BLOCK_FIXED_TILES + partial write) + merge read,
+    where for splits > 1 a block writes block_rows x 512 fp32 partials (128 KB at 64 rows: 1.8 tiles) and the
+    merge reads all splits x queries x 512 x 4 B back, spread over every slot. Ties go to fewer splits. The
+    kernel spreads each sequence's actual keys over that many splits (split_chunk in the .cu).
+    `exact` False: not every one of the `blocks` need hold queries. The CUDA graphs pad a step to max_seqs + 1
+    sequences of up to `bucket` rows each; how many are live is device-side. Costed as if all were busy, the
+    model above picks too few splits for a lightly loaded step (H200, max_seqs 8, 16-row bucket, one live
+    sequence: 9 splits 26.9 us, 19 splits 18.8), so those calls keep session 18's cost, waves x (tiles per
+    split + 0.5): its overcounted waves happen to favour more splits. `forced`: the bench's split count."""
     tiles = max(1, math.ceil(max_keys / KT))
+    part = block_rows * DV * 4 / TILE_BYTES if exact else 0.5  # one block's partial O, tiles (else: session 18's)
+    merge = queries * DV * 4 / (slots * TILE_BYTES) if exact else 0.0  # the merge's read of one split, tile steps
+    fixed = BLOCK_FIXED_TILES if exact else 0.0
     best = (math.inf, 1, tiles)
     for s in range(1, min(tiles, MAX_SPLITS) + 1) if forced is None else (min(forced, tiles, MAX_SPLITS),):
         per = math.ceil(tiles / s)
-        cost = math.ceil(q_blocks * s / slots) * (per + (0.5 if s > 1 else 0.0))
+        waves = math.ceil(blocks * s / slots)
+        cost = waves * (per + fixed) + ((waves * part + s * merge) if s > 1 else 0.0)
         if cost < best[0]:
             best = (cost, s, per)
     return math.ceil(max_keys / (best[2] * KT))
@@ -136,8 +159,12 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     config = _config(R * h, smem_block, wgmma)
     smem = _smem(config)
     per_sm = max(1, min(smem_sm // (smem + 1024), 2 if config == (16, 1) else 1))  # 1 KB: per-block reserve
-    q_blocks = math.ceil(R * h / (64 if config == "wgmma" else config[0]))
-    splits = _split(B * q_blocks, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS)
+    mt = 64 if config == "wgmma" else config[0]  # query rows a block takes
+    q_blocks = math.ceil(R * h / mt)
+    # B * q_blocks blocks all hold queries only where every sequence has R rows: not in the graphs' padded plans
+    # (R = T = bucket over max_seqs + 1 sequences) nor in eager plans of uneven trees
+    splits = _split(B * q_blocks, min(mt, R * h), T * h, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS,
+                    exact=B * R == T)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
     args = [q, kv_cache, page_table, page_table.shape[1], page_size, prefix_lens, row_starts, tree_mask, R,
