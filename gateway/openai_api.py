@@ -191,6 +191,7 @@ class OpenAIResponse:
         self.created = int(time.time())
         self.logprobs, self.include_usage = logprobs, include_usage
         self.texts: list[str] = []
+        self.reasoning: list[str] = []
         self.lps: list = []  # chat: the content entries; completions: (token, logprob) pairs
         self.offset = 0  # completions' text_offset of the next token, characters
         self.final: pb.Final | None = None
@@ -223,7 +224,9 @@ class OpenAIResponse:
                                           always_print_fields_with_no_presence=True)
         stats["mode"] = pb.SpecMode.Name(final.spec_stats.mode).removeprefix("SPEC_MODE_").lower()
         return {"usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                          "total_tokens": u.prompt_tokens + u.completion_tokens}, "spec_stats": stats}
+                          "total_tokens": u.prompt_tokens + u.completion_tokens,
+                          "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}},
+                "spec_stats": stats}
 
     def start(self) -> dict | None:
         """The stream's first event: chat announces the assistant role; completions send nothing."""
@@ -233,10 +236,15 @@ class OpenAIResponse:
                                 "finish_reason": None}], True)
 
     def chunk(self, chunk: pb.Chunk) -> dict | None:
-        """A streamed event for one chunk; None when it carries nothing to show (text held back, no logprobs)."""
-        if not chunk.text and not (self.logprobs and chunk.token_ids):
+        """A streamed event for one chunk; None when it carries nothing to show (text held back, no logprobs).
+        Chat puts the model's thinking in `reasoning_content` (vLLM's and DeepSeek's name), the answer in `content`."""
+        if not chunk.text and not chunk.reasoning_text and not (self.logprobs and chunk.token_ids):
             return None
-        body = {"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text}
+        if self.chat:
+            delta = {"reasoning_content": chunk.reasoning_text} if chunk.reasoning_text else {}
+            body = {"delta": {**delta, "content": chunk.text} if chunk.text or not delta else delta}
+        else:
+            body = {"text": chunk.text}
         return self._envelope([{"index": 0, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}], True)
 
     def end(self, final: pb.Final) -> list[dict]:
@@ -254,6 +262,7 @@ class OpenAIResponse:
             self.final = msg.final
             return
         self.texts.append(msg.chunk.text)
+        self.reasoning.append(msg.chunk.reasoning_text)
         lp = self._logprobs(msg.chunk)
         if lp is not None:
             self.lps.append(lp)
@@ -261,7 +270,9 @@ class OpenAIResponse:
     def response(self) -> dict:
         """The whole non-streamed response, after `add` saw the final message."""
         text = "".join(self.texts)
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        reasoning = "".join(self.reasoning) or None
+        body = {"message": {"role": "assistant", "content": text, "reasoning_content": reasoning}} if self.chat \
+            else {"text": text}
         logprobs = None
         if self.logprobs and self.chat:
             logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}

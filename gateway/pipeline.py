@@ -18,6 +18,7 @@ from ddtree.v1 import generation_pb2 as pb
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.reasoning import ReasoningSplitter
 from gateway.stops import StopMatcher
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import Job, Limits
@@ -31,7 +32,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: KimiTokenizer):
         self.config = config
         self.tokenizer = tokenizer
-        self.channel = grpc.aio.insecure_channel(config.verifier, options=channel_options(config.internal_max_message_mb))
+        self.channel = grpc.aio.insecure_channel(config.verifier,
+                                                 options=channel_options(config.internal_max_message_mb))
         self.verifier = vpb_grpc.VerifierStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: vpb.VerifierInfo | None = None
@@ -104,31 +106,29 @@ class Gateway:
             metrics.E2E.observe(time.monotonic() - t0)
 
     async def _relay(self, job: Job, call, t0: float):
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(list(job.stops))
+        out = OutputText(self.tokenizer, job)
         last = None
         async for msg in call:
             if msg.HasField("final"):
-                tail, _ = stops.feed(detok.flush())
-                tail += stops.flush()
-                if tail:
-                    yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
-                yield pb.GenerateResponse(final=_final(msg.final, len(job.request.prompt_ids)))
+                reasoning, tail = out.flush()
+                if tail or reasoning:
+                    yield pb.GenerateResponse(chunk=pb.Chunk(text=tail, reasoning_text=reasoning))
+                yield pb.GenerateResponse(final=_final(msg.final, len(job.request.prompt_ids), out.reasoning_tokens))
                 return
             c = msg.chunk
             now = time.monotonic()
             _observe_latency(last, t0, now, len(c.token_ids))
             last = now
             metrics.GENERATION_TOKENS.inc(len(c.token_ids))
-            text, matched = stops.feed(detok.feed(c.token_ids))
+            reasoning, text, matched = out.feed(c.token_ids)
             yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=c.token_ids, text=text, logprobs=c.logprobs,
-                                                     num_verify_steps=c.num_verify_steps))
+                                                     num_verify_steps=c.num_verify_steps, reasoning_text=reasoning))
             if matched is not None:
                 spec = await self._stop_generation(job, call)
                 yield pb.GenerateResponse(final=pb.Final(
                     finish_reason=pb.FINISH_REASON_STOP, matched_stop=matched, spec_stats=spec,
-                    usage=pb.Usage(prompt_tokens=len(job.request.prompt_ids),
-                                   completion_tokens=detok.num_tokens)))
+                    usage=pb.Usage(prompt_tokens=len(job.request.prompt_ids), completion_tokens=out.num_tokens,
+                                   reasoning_tokens=out.reasoning_tokens)))
                 return
         raise Unavailable("verifier stream ended without a final message")
 
@@ -148,6 +148,33 @@ class Gateway:
         return None
 
 
+class OutputText:
+    """One request's output ids → (reasoning text, answer text): the thinking block split off by id (chat
+    input only), a detokenizer for each part, stop strings on the answer."""
+
+    def __init__(self, tokenizer: KimiTokenizer, job: Job):
+        self.thought, self.answer = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(tokenizer)
+        self.splitter = ReasoningSplitter(job.think, job.request.prompt_ids) if job.think else None
+        self.stops = StopMatcher(list(job.stops))
+        self.num_tokens = 0
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.splitter.reasoning_tokens if self.splitter else 0
+
+    def feed(self, ids) -> tuple[str, str, str | None]:
+        """(new reasoning text, new answer text, the stop string matched or None)."""
+        self.num_tokens += len(ids)
+        thought, answer = self.splitter.split(ids) if self.splitter else ([], ids)
+        text, matched = self.stops.feed(self.answer.feed(answer))
+        return self.thought.feed(thought), text, matched
+
+    def flush(self) -> tuple[str, str]:
+        """End of stream: what the detokenizers and the stop matcher still hold."""
+        tail, _ = self.stops.feed(self.answer.flush())
+        return self.thought.flush(), tail + self.stops.flush()
+
+
 def _observe_latency(last: float | None, t0: float, now: float, n: int) -> None:
     if n == 0:
         return
@@ -158,12 +185,13 @@ def _observe_latency(last: float | None, t0: float, now: float, n: int) -> None:
         metrics.ITL.observe((now - last) / n)
 
 
-def _final(f: vpb.VerifierFinal, prompt_tokens: int) -> pb.Final:
+def _final(f: vpb.VerifierFinal, prompt_tokens: int, reasoning_tokens: int) -> pb.Final:
     metrics.PROMPT_TOKENS.inc(prompt_tokens)
     if f.spec_stats.verify_steps:
         metrics.ACCEPTANCE.observe(f.spec_stats.mean_acceptance_length)
     final = pb.Final(finish_reason=f.finish_reason, spec_stats=f.spec_stats,
-                     usage=pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens))
+                     usage=pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                                    reasoning_tokens=reasoning_tokens))
     if f.HasField("matched_stop_token_id"):
         final.matched_stop_token_id = f.matched_stop_token_id
     return final

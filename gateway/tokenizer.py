@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import tiktoken
 
 from gateway.chat import ChatTemplate
+from gateway.reasoning import ThinkTokens
 
 # The K2-family pre-tokenizer, alternative by alternative as `pat_str` in tokenization_kimi.py: Han runs;
 # words (optional leading non-letter, cased letters with Han excluded, optional English contraction);
@@ -226,6 +227,12 @@ class KimiTokenizer:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside [0, {self.vocab_size})")
         return self._bytes[token_id]
+
+    @property
+    def think_tokens(self) -> ThinkTokens | None:
+        """Kimi's <think> / </think> ids, or None for a vocabulary without them."""
+        start, end = self.token_to_id("<think>"), self.token_to_id("</think>")
+        return None if start is None or end is None else ThinkTokens(start, end)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids

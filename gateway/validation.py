@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.v1 import generation_pb2 as pb
+from gateway.reasoning import ThinkTokens
 from gateway.tokenizer import KimiTokenizer
 from service_kit.errors import InvalidArgument
 
@@ -30,6 +31,7 @@ class Limits:
 class Job:
     request: vpb.VerifierGenerateRequest
     stops: tuple[str, ...]
+    think: ThinkTokens | None = None  # chat input: split the thinking block off the answer
 
 
 def prompt_ids(req: pb.GenerateRequest, tok: KimiTokenizer) -> list[int]:
@@ -107,4 +109,4 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
             return_logprobs=req.return_logprobs),
-        stops=tuple(req.stopping.stop))
+        stops=tuple(req.stopping.stop), think=tok.think_tokens if req.WhichOneof("input") == "chat" else None)

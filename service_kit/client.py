@@ -60,15 +60,35 @@ def format_final(final: pb.Final) -> str:
             + (f" matched_stop={final.matched_stop!r}" if final.matched_stop else ""))
 
 
+class ChunkPrinter:
+    """Chunks to stdout; a chat answer's thinking block between <think> and </think>, as the model wrote it."""
+
+    def __init__(self):
+        self.state = "start"  # -> "thinking" -> "answer"
+
+    def write(self, chunk: pb.Chunk) -> None:
+        if chunk.reasoning_text:
+            if self.state == "start":
+                sys.stdout.write("<think>")
+                self.state = "thinking"
+            sys.stdout.write(chunk.reasoning_text)
+        if chunk.text:
+            if self.state == "thinking":
+                sys.stdout.write("</think>")
+            self.state = "answer"
+            sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+
+
 def generate(args) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+            shown = ChunkPrinter()
             for msg in stub.Generate(build_request(args), timeout=args.timeout_s, metadata=metadata):
                 if msg.HasField("chunk"):
-                    sys.stdout.write(msg.chunk.text)
-                    sys.stdout.flush()
+                    shown.write(msg.chunk)
                 else:
                     sys.stdout.write("\n")
                     print(format_final(msg.final), file=sys.stderr)

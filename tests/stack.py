@@ -315,6 +315,7 @@ class Result:
     text: str
     final: pb.Final
     chunks: int
+    reasoning: str = ""  # chat input: the thinking block's text (Chunk.reasoning_text)
 
 
 def gen_request(prompt: Sequence[int] | str, max_new: int = 64, *, mode: int = pb.SPEC_MODE_AR,
@@ -338,17 +339,18 @@ def gen_request(prompt: Sequence[int] | str, max_new: int = 64, *, mode: int = p
 
 
 def collect(stream) -> Result:
-    ids, text, final, chunks = [], [], None, 0
+    ids, text, reasoning, final, chunks = [], [], [], None, 0
     for msg in stream:
         if msg.HasField("chunk"):
             ids += msg.chunk.token_ids
             text.append(msg.chunk.text)
+            reasoning.append(msg.chunk.reasoning_text)
             chunks += 1
         else:
             assert final is None, "two final messages"
             final = msg.final
     assert final is not None, "stream ended without a final message"
-    return Result(ids, "".join(text), final, chunks)
+    return Result(ids, "".join(text), final, chunks, "".join(reasoning))
 
 
 def generate(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout: float = 120.0) -> Result:

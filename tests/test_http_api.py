@@ -13,6 +13,7 @@ import time
 import grpc
 import openai
 import pytest
+from gateway.tokenizer import KimiTokenizer
 from stack import PROMPTS, free_port, gen_request, generate, new_stack, pb, tiny_ckpt, wait_until  # noqa: F401
 
 KEY = "test-key-123"
@@ -60,11 +61,20 @@ class _Authed:
         return self.stub.Generate(req, timeout=timeout, metadata=AUTH)
 
 
-def chat_ref(stack):
+def chat_ref(stack, thinking: bool | None = None):
+    """AR over gRPC, and its answer and thinking cut out of the token ids by hand: (result, reasoning, answer)."""
     req = pb.GenerateRequest()
     for m in CHAT:
         req.chat.messages.add(**m)
-    return grpc_ar(stack, req)
+    if thinking is not None:
+        req.chat.thinking = thinking
+    ref = grpc_ar(stack, req)
+    tok = KimiTokenizer.from_dir(stack.model)
+    end = ref.ids.index(tok.think_tokens.end) if tok.think_tokens.end in ref.ids else len(ref.ids)
+    if thinking is False:
+        end = -1
+    thought = tok.decode(ref.ids[:max(end, 0)], skip_special_tokens=True)
+    return ref, thought, tok.decode(ref.ids[end + 1:], skip_special_tokens=True)
 
 
 def raw(stack, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
@@ -81,26 +91,30 @@ def test_models_and_health(stack, client):
     assert [m.id for m in models] == [stack.verifier_info().model_name]
 
 
-def test_chat_greedy_ddtree_equals_grpc_ar(idle, client):
-    ref = chat_ref(idle)
+@pytest.mark.parametrize("thinking", [None, False], ids=["thinking", "instant"])
+def test_chat_greedy_ddtree_equals_grpc_ar(idle, client, thinking):
+    ref, thought, answer = chat_ref(idle, thinking)
+    assert ref.text == answer and ref.reasoning == thought  # gRPC's split
     model = client.models.list().data[0].id
-    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, extra_body=DDTREE)
+    extra = DDTREE if thinking is None else {**DDTREE, "chat_template_kwargs": {"thinking": thinking}}
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, extra_body=extra)
     choice = r.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content == ref.text
-    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and choice.message.content == answer
+    assert (choice.message.model_extra["reasoning_content"] or "") == thought
+    assert bool(thought) == (thinking is None) and choice.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.final.usage.prompt_tokens, N)
     stats = r.model_extra["spec_stats"]
     assert stats["mode"] == "ddtree" and stats["tree_budget"] == 16 and stats["verify_steps"] >= 1, stats
 
 
 def test_chat_stream_adds_up_to_the_reference(idle, client):
-    ref = chat_ref(idle)
+    ref, thought, answer = chat_ref(idle)
     events = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, max_tokens=N,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body=DDTREE))
     assert events[0].choices[0].delta.role == "assistant"
-    text = "".join(c.delta.content or "" for e in events for c in e.choices)
-    assert text == ref.text
+    assert "".join(c.delta.content or "" for e in events for c in e.choices) == answer
+    assert "".join(c.delta.model_extra.get("reasoning_content") or "" for e in events for c in e.choices) == thought
     assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] == ["length"]
     assert events[-1].choices == [] and events[-1].usage.completion_tokens == N
     assert len({e.id for e in events}) == 1 and events[0].id.startswith("chatcmpl-")
@@ -226,3 +240,16 @@ def test_cli_generate_sends_the_token(idle, capsys):
     assert "completion=3" in capsys.readouterr().err
     assert main([*args, "--api-key", ""]) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_cli_generate_marks_the_thinking_block(idle, capsys):
+    from service_kit.cli import main
+    user = CHAT[1]["content"]  # the CLI sends one user turn
+    args = ["generate", "--address", idle.gateway.address, "--max-new-tokens", str(N), "--mode", "ddtree",
+            "--chat", "--api-key", KEY, user]
+    req = pb.GenerateRequest()
+    req.chat.messages.add(role="user", content=user)
+    ref = grpc_ar(idle, req)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out == f"<think>{ref.reasoning}" + (f"</think>{ref.text}" if ref.text else "") + "\n"

@@ -142,8 +142,12 @@ def test_validation_errors_carry_openai_names(tok, body, chat, param):
     assert openai_param(e.value.field, body, chat) == param, e.value.message
 
 
-def _messages(tok, pieces: list[str], logprobs: list[float]) -> list[pb.GenerateResponse]:
+def _messages(tok, pieces: list[str], logprobs: list[float], thought: str = "") -> list[pb.GenerateResponse]:
     msgs = []
+    if thought:  # the thinking block, closed by </think> (id 3 stands in for it)
+        ids = tok.encode(thought) + [3]
+        chunk = pb.Chunk(token_ids=ids, reasoning_text=thought, logprobs=[-2.0] * len(ids))
+        msgs.append(pb.GenerateResponse(chunk=chunk))
     for text, lp in zip(pieces, logprobs):
         ids = tok.encode(text)
         msgs.append(pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=text, logprobs=[lp] * len(ids))))
@@ -151,14 +155,16 @@ def _messages(tok, pieces: list[str], logprobs: list[float]) -> list[pb.Generate
     stats = pb.SpecStats(verify_steps=2, accepted_draft_tokens=3, mean_acceptance_length=2.5, tree_budget=16,
                          draft_tokens=32, mode=pb.SPEC_MODE_DDTREE, acceptance_histogram=[0, 1, 1])
     msgs.append(pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, matched_stop="END",
-                                                   usage=pb.Usage(prompt_tokens=4, completion_tokens=5),
+                                                   usage=pb.Usage(prompt_tokens=4, completion_tokens=5,
+                                                                  reasoning_tokens=2),
                                                    spec_stats=stats)))
     return msgs
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_streamed_events_add_up_to_the_response(tok, chat):
-    msgs = _messages(tok, ["Hello", " world"], [-0.5, -1.25])
+    thought = "Hmm." if chat else ""
+    msgs = _messages(tok, ["Hello", " world"], [-0.5, -1.25], thought)
     whole = OpenAIResponse(chat, "r1", "m", tok, logprobs=True, include_usage=True)
     for m in msgs:
         whole.add(m)
@@ -170,17 +176,22 @@ def test_streamed_events_add_up_to_the_response(tok, chat):
     assert full["id"] == ("chatcmpl-r1" if chat else "cmpl-r1")
     assert full["object"] == ("chat.completion" if chat else "text_completion")
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "END")
-    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                             "completion_tokens_details": {"reasoning_tokens": 2}}
     assert full["spec_stats"]["mode"] == "ddtree" and full["spec_stats"]["acceptance_histogram"] == [0, 1, 1]
     text = (choice["message"]["content"] if chat else choice["text"])
     assert text == "Hello world"
     deltas = [c["delta"].get("content", "") if chat else c["text"] for e in events for c in e["choices"]]
     assert "".join(deltas) == text
+    if chat:
+        assert choice["message"]["reasoning_content"] == thought
+        assert "".join(c["delta"].get("reasoning_content", "") for e in events for c in e["choices"]) == thought
+        assert events[1]["choices"][0]["delta"] == {"reasoning_content": thought}  # no empty content beside it
     assert events[-1]["choices"] == [] and events[-1]["usage"] == full["usage"]
     assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-2]["spec_stats"] == full["spec_stats"]
     n = len(tok.encode("Hello")) + len(tok.encode(" world")) + 1
     if chat:
-        content = choice["logprobs"]["content"]
+        content = choice["logprobs"]["content"][len(tok.encode(thought)) + 1:]
         assert len(content) == n and content[0]["logprob"] == -0.5 and content[-1]["logprob"] == -3.0
         assert b"".join(bytes(c["bytes"]) for c in content[:-1]) == b"Hello world"
     else:
