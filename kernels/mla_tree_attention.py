@@ -119,8 +119,8 @@ def _split(blocks: int, block_rows: int, queries: int, max_keys: int, slots: int
     where for splits > 1 a block writes block_rows x 512 fp32 partials (128 KB at 64 rows: 1.8 tiles) and the
     merge reads all splits x queries x 512 x 4 B back, spread over every slot. Ties go to fewer splits. The
     kernel spreads each sequence's actual keys over that many splits (split_chunk in the .cu).
-    `exact` False: not every one of the `blocks` need hold queries. The CUDA graphs pad a step to max_seqs + 1
-    sequences of up to `bucket` rows each; how many are live is device-side. Costed as if all were busy, the
+    `exact` False: not every one of the `blocks` need hold queries. The CUDA graphs pad a step to a session bucket
+    + 1 sequences of up to `bucket` rows each; how many are live is device-side. Costed as if all were busy, the
     model above picks too few splits for a lightly loaded step (H200, max_seqs 8, 16-row bucket, one live
     sequence: 9 splits 26.9 us, 19 splits 18.8), so those calls keep session 18's cost, waves x (tiles per
     split + 0.5): its overcounted waves happen to favour more splits. `forced`: the bench's split count."""
@@ -162,8 +162,11 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     mt = 64 if config == "wgmma" else config[0]  # query rows a block takes
     q_blocks = math.ceil(R * h / mt)
     # B * q_blocks blocks all hold queries only where every sequence has R rows: not in the graphs' padded plans
-    # (R = T = bucket over max_seqs + 1 sequences) nor in eager plans of uneven trees
-    splits = _split(B * q_blocks, min(mt, R * h), T * h, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS,
+    # (R = T = bucket over session bucket + 1 sequences) nor in eager plans of uneven trees. There at most
+    # ceil(T * h / mt) + B do (each sequence's queries in blocks of mt, one partly filled block a sequence),
+    # e.g. a graph's 8 sessions x 8 rows in the 64-row bucket: 19 blocks, not 9 x 10.
+    busy = min(B * q_blocks, math.ceil(T * h / mt) + B)
+    splits = _split(busy, min(mt, R * h), T * h, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS,
                     exact=B * R == T)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out

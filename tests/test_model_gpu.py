@@ -387,7 +387,9 @@ def test_runner_warm_up_captures_every_graph_before_serving(tmp_path):
                                         max_context=1024, cuda_graphs=g)) for g in (True, False)}
     r = runners[True]
     keys = r.graphs.warm_keys(17)
-    assert {b for b, _ in keys} == {1, 2, 4, 8, 16, 32} and len({w for _, w in keys}) > 1
+    assert {b for b, _, _ in keys} == {1, 2, 4, 8, 16, 32} and len({w for *_, w in keys}) > 1
+    buckets = (1, 2, 4, 8, 16, 32)
+    assert {(b, s) for b, s, _ in keys} == {(b, s) for b in buckets for s in buckets if s <= b}
     assert r.warm_up(17) == len(keys) and runners[False].warm_up(17) == 0
     outs = []
     for run in (r, runners[False]):

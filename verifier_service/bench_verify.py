@@ -3,7 +3,8 @@
 Random K2.6 weights (L layers, this rank's experts and heads of an `--ep-size`-way split, and its share of
 the shared / dense MLPs and lm_head unless `--no-split-replicated`, as the verifier serves), a committed
 prefix of `--prefix` tokens in the paged latent cache, and a random tree of T rows verified in one
-forward, for T in `--tree-sizes`: CUDA-kernel path eager and replayed from a CUDA graph, next to the
+forward, for T in `--tree-sizes`: CUDA-kernel path eager and replayed from the verifier's CUDA graphs (a
+GraphRunner sized for `--max-batch` sessions, the plan padded as a served step's is), next to the
 torch reference path, and the bandwidth floor (bytes the step must read ÷ measured copy bandwidth).
 """
 
@@ -20,10 +21,11 @@ import torch
 
 from kernels.bench import copy_bandwidth
 from verifier_service.config import VerifierConfig
+from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service import moe as moe_module, ranks
 from verifier_service.model import K2Model, identity
-from verifier_service.plan import SeqRows, build_plan, tree_parents
+from verifier_service.plan import SeqRows, build_plan, plan_to, tree_parents
 from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, random_target
 from verifier_service.weights import Split
@@ -39,6 +41,9 @@ def add_parser(bsub) -> None:
     p.add_argument("--prefix", type=int, default=4096, help="committed tokens before the tree")
     p.add_argument("--max-context", type=int, default=VerifierConfig.max_context,
                    help="page-table width in tokens, as the served graphs size it (the verifier's --max-context)")
+    p.add_argument("--max-batch", type=int, default=VerifierConfig.max_batch,
+                   help="the graph column replays through the verifier's GraphRunner sized for this many sessions "
+                        "(the verifier's --max-batch), padded as a served step is")
     p.add_argument("--tree-sizes", default="1,8,16,32,64")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
@@ -129,15 +134,11 @@ def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: rand
     return build_plan([seq], device="cuda")
 
 
-def time_step(model: K2Model, plan, kv: torch.Tensor, iters: int) -> tuple[float, float]:
-    """-> (eager ms, CUDA-graph replay ms) of one forward."""
+def time_step(model: K2Model, plan, host_plan, kv: torch.Tensor, graphs: GraphRunner, iters: int):
+    """-> (eager ms, CUDA-graph ms) of one forward; the graph one as the verifier serves it: the host plan
+    padded into the GraphRunner's graph for its shape (one host->device copy), replayed, output rows taken."""
     eager = time_ms(lambda: model.forward(plan, kv), iters)
-    graph = torch.cuda.CUDAGraph()
-    model.forward(plan, kv)  # warm the caching allocator outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        model.forward(plan, kv)
-    return eager, time_ms(graph.replay, iters)
+    return eager, time_ms(lambda: graphs.forward(host_plan, ()), iters)
 
 
 @contextlib.contextmanager
@@ -204,7 +205,7 @@ def main(args) -> int:
     ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce, all_gather=gather)
     say = print if rank == 0 else (lambda *a, **k: None)
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, width=cfg.kv_cache_width, page_size=64,
-                         num_pages=math.ceil(args.prefix / 64) + 4, dtype=torch.bfloat16, device="cuda")
+                         num_pages=math.ceil(args.prefix / 64) + 5, dtype=torch.bfloat16, device="cuda")
     cache.table.open("s")
     cache.table.extend("s", args.prefix)
     cache.kv.normal_()
@@ -217,10 +218,12 @@ def main(args) -> int:
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} "
         f"{'graph/floor':>11} {'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
     rng, out_rows = random.Random(0), []
+    graphs = GraphRunner(fast, cache, max_seqs=args.max_batch, max_pages=math.ceil(args.max_context / 64) + 1)
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng, args.max_context)
+        host_plan = plan_to(plan, "cpu")
         with uniform_routing(cfg, rows) if args.routing == "uniform" else contextlib.nullcontext():
-            eager, replay = time_step(fast, plan, cache.kv, args.iters)
+            eager, replay = time_step(fast, plan, host_plan, cache.kv, graphs, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
             touched = touched_experts(fast, plan, cache.kv, experts)
         shape = (cfg, args.layers, len(experts), len(heads), rows, args.prefix)

@@ -1,10 +1,11 @@
-"""CUDA graphs of the target forward, one per row bucket (issue 6): replaces ~1 kernel launch per op
-(hundreds per step, host-bound at ~8 ms) by one graph launch.
+"""CUDA graphs of the target forward, one per (row bucket, session bucket) (issue 6): replaces ~1 kernel
+launch per op (hundreds per step, host-bound at ~8 ms) by one graph launch.
 
 A step's BatchPlan is padded into the bucket's static buffers (`static_plan`, `fill_plan`):
-- sessions: the plan's B sequences, then empty ones up to `max_seqs`, then one pad sequence holding
-  the pad rows [T, bucket) (prefix 0, each pad row sees only itself, writes to a reserved pad slot);
-- page_table [max_seqs + 1, pages], tree_mask [bucket, bucket];
+- sessions: the plan's B sequences, then empty ones up to the session bucket `seqs` (the smallest power of
+  two >= B, capped at max_seqs), then one pad sequence holding the pad rows [T, bucket) (prefix 0, each pad
+  row sees only itself, writes to a reserved pad slot);
+- page_table [seqs + 1, pages], tree_mask [bucket, bucket];
 - logits and layer features are computed for every row and sliced afterwards.
 The static buffers are views into ONE flat device buffer (`static_plan`). A host plan (the engine's:
 plan.build_plan keeps it on the CPU) is padded on the host in numpy and written with ONE non-blocking
@@ -14,7 +15,11 @@ sync, so consecutive steps queue without waiting, and the padded contents are th
 `pages` is `max_pages` on the kernel path (the kernel reads only prefix_lens keys). The sync-free torch
 path (model.SYNC_FREE) gathers all pages·page_size prefix slots of every row, so there the page table
 is also bucketed: the smallest power of two >= the plan's page-table width (capped at max_pages).
-Capture happens on the first use of a (row bucket, pages) pair, after one eager run of the same shapes
+Why session buckets: the tree attention picks its split-K count on the host from shapes (graph-safe), so in
+a graph of max_seqs + 1 sequences it splits one live session's prefix as if every sequence were busy (H200,
+K2.6 rank shapes, max_seqs 64: one 4K decode row 95.7 us in 1-2 splits, against 8.1 us at the count an
+exact plan gets; docs/kernel-notes/mla_tree_attention.md, session 22).
+Capture happens on the first use of a (row bucket, session bucket, pages) key, after one eager run of the same shapes
 (loads the kernels: nothing may compile or allocate inside a capture). All graphs share one memory pool.
 Every rank pads and replays identically, so collectives inside the graphs line up.
 """
@@ -57,7 +62,7 @@ class GraphRunner:
         self.max_seqs, self.max_pages = max_seqs, max_pages
         self.page_buckets = model.attention_path(cache.kv) == SYNC_FREE
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int, tuple[int, ...]], _Graph] = {}
         cache.table.open(PAD_SESSION)  # one page whose first slot takes every pad row's latent
         self.pad_slot = cache.table.extend(PAD_SESSION, 1)[0]
 
@@ -66,25 +71,28 @@ class GraphRunner:
                 or plan.page_table.shape[1] > self.max_pages:
             return False
         if self.page_buckets:  # sync-free attention gathers every padded row's prefix keys
-            bucket, pages, _ = self.key(plan, ())
+            bucket, _, pages, _ = self.key(plan, ())
             return bucket * pages * self.cache.page_size <= SYNC_FREE_MAX_ROW_KEYS
         return True
 
-    def warm_keys(self, max_rows: int) -> list[tuple[int, int]]:
-        """(rows, page-table width) of one plan per graph worth capturing before serving: every row bucket up
-        to the one holding `max_rows`, at every width the path tells apart (powers of two on the sync-free
-        path, else max_pages), leaving out the shapes that run eagerly anyway."""
+    def warm_keys(self, max_rows: int) -> list[tuple[int, int, int]]:
+        """(rows, sessions, page-table width) of one plan per graph worth capturing before serving: every row
+        bucket up to the one holding `max_rows`, with every session bucket it can hold (a session has >= 1
+        row), at every width the path tells apart (powers of two on the sync-free path, else max_pages),
+        leaving out the shapes that run eagerly anyway."""
         top = next(b for b in BUCKETS if b >= min(max_rows, BUCKETS[-1]))
         widths = [self.max_pages]
         if self.page_buckets:
             widths = sorted({page_bucket(1 << i, self.max_pages, True) for i in range(self.max_pages.bit_length() + 1)})
-        return [(b, w) for b in BUCKETS if b <= top for w in widths
+        sessions = sorted({session_bucket(1 << i, self.max_seqs) for i in range(self.max_seqs.bit_length() + 1)})
+        return [(b, s, w) for b in BUCKETS if b <= top for s in sessions if s <= b for w in widths
                 if not self.page_buckets or b * w * self.cache.page_size <= SYNC_FREE_MAX_ROW_KEYS]
 
-    def key(self, plan: BatchPlan, layer_ids: Sequence[int]) -> tuple[int, int, tuple[int, ...]]:
-        """(row bucket, static page-table width, layer ids) of the graph that replays `plan`."""
+    def key(self, plan: BatchPlan, layer_ids: Sequence[int]) -> tuple[int, int, int, tuple[int, ...]]:
+        """(row bucket, session bucket, static page-table width, layer ids) of the graph that replays `plan`."""
         bucket = next(b for b in BUCKETS if b >= plan.num_rows)
-        return bucket, page_bucket(plan.page_table.shape[1], self.max_pages, self.page_buckets), tuple(layer_ids)
+        return (bucket, session_bucket(plan.prefix_lens.shape[0], self.max_seqs),
+                page_bucket(plan.page_table.shape[1], self.max_pages, self.page_buckets), tuple(layer_ids))
 
     def forward(self, plan: BatchPlan, layer_ids: Sequence[int]) -> ForwardOutput:
         """Replay `plan` (on the host, or on the graphs' device) from its bucket's graph."""
@@ -99,8 +107,8 @@ class GraphRunner:
         return ForwardOutput(logits=_take(g.out.logits, plan.logit_rows, rows, flat.out_rows[:bucket]),
                              hidden=_take(g.out.hidden, plan.hidden_rows, rows, flat.out_rows[bucket:]))
 
-    def _capture(self, bucket: int, pages: int, layer_ids: tuple[int, ...]) -> _Graph:
-        static = static_plan(bucket, self.max_seqs, pages, self.cache.kv.device)
+    def _capture(self, bucket: int, seqs: int, pages: int, layer_ids: tuple[int, ...]) -> _Graph:
+        static = static_plan(bucket, seqs, pages, self.cache.kv.device)
         fill_plan(static, empty_plan(static), self.pad_slot)
         self.model.forward(static, self.cache.kv, layer_ids)  # eager run: loads kernels, warms the allocator
         torch.cuda.synchronize()
@@ -108,6 +116,12 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.model.forward(static, self.cache.kv, layer_ids)
         return _Graph(graph, static, out)
+
+
+def session_bucket(sessions: int, max_seqs: int) -> int:
+    """Sequences (before the pad one) of the graph for a plan of `sessions`: the smallest power of two >=
+    sessions, capped at max_seqs."""
+    return min(max_seqs, 1 << max(sessions - 1, 0).bit_length())
 
 
 def page_bucket(pages: int, max_pages: int, bucketed: bool) -> int:
@@ -125,7 +139,7 @@ class _Flat:
 
     flat: torch.Tensor
     bucket: int
-    seqs: int  # max_seqs + 1 (the last: the pad sequence)
+    seqs: int  # the session bucket + 1 (the last: the pad sequence)
     pages: int
     ints: int  # int64 values before the mask
     mask_offset: int
@@ -138,10 +152,10 @@ def _align(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
-def static_plan(bucket: int, max_seqs: int, pages: int, device: torch.device | str) -> BatchPlan:
-    """Zeroed static buffers of one graph: `bucket` rows, max_seqs + 1 sequences (the last: pad rows),
+def static_plan(bucket: int, sessions: int, pages: int, device: torch.device | str) -> BatchPlan:
+    """Zeroed static buffers of one graph: `bucket` rows, sessions + 1 sequences (the last: pad rows),
     all views into one flat buffer (`_Flat`, kept on the plan as `_flat`)."""
-    seqs = max_seqs + 1
+    seqs = sessions + 1
     ints = 3 * bucket + (seqs + 1) + seqs + 2 * bucket
     mask_offset = _align(8 * ints)
     pt_offset = _align(mask_offset + bucket * bucket)
@@ -186,7 +200,7 @@ def _fill_from_host(f: _Flat, plan: BatchPlan, pad_slot: int) -> None:
     slots[:T] = plan.write_slots.numpy()
     slots[T:] = pad_slot
     starts[: B + 1] = plan.row_starts.numpy()
-    starts[B + 1:] = T  # empty sequences B .. max_seqs-1
+    starts[B + 1:] = T  # empty sequences B .. seqs - 2
     starts[-1] = bucket  # the pad sequence: rows [T, bucket)
     prefix[:B] = plan.prefix_lens.numpy()
     prefix[B:] = 0
@@ -220,7 +234,7 @@ def _fill_on_device(static: BatchPlan, plan: BatchPlan, pad_slot: int) -> None:
     static.write_slots[:T] = plan.write_slots
     static.write_slots[T:] = pad_slot
     static.row_starts[: B + 1] = plan.row_starts
-    static.row_starts[B + 1:] = T  # empty sequences B .. max_seqs-1
+    static.row_starts[B + 1:] = T  # empty sequences B .. seqs - 2
     static.row_starts[-1] = bucket  # the pad sequence: rows [T, bucket)
     static.prefix_lens.zero_()
     static.prefix_lens[:B] = plan.prefix_lens

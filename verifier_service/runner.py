@@ -92,18 +92,19 @@ class Runner:
         return self._forward(plan, self.target_layer_ids)
 
     def warm_up(self, max_rows: int) -> int:
-        """Capture the CUDA graphs of every row bucket up to `max_rows` at every page width (graphs.warm_keys)
-        before serving, so no stream pays a capture (tens of ms each) mid-generation. Rank 0 runs padding-only
-        plans through `forward`, so every rank captures the same graphs in the same order; returns how many
-        graphs exist."""
+        """Capture the CUDA graphs of every row and session bucket up to `max_rows` at every page width
+        (graphs.warm_keys) before serving, so no stream pays a capture (tens of ms each) mid-generation.
+        Rank 0 runs padding-only plans through `forward`, so every rank captures the same graphs in the same
+        order; returns how many graphs exist."""
         if self.graphs is None:
             return 0
         self.bind_thread()
         pad_slot = self.graphs.pad_slot
         pad_page = pad_slot // self.cache.page_size
-        for rows, width in self.graphs.warm_keys(max_rows):  # every row writes the pad slot, reads no prefix
-            seq = SeqRows([0] * rows, chain_parents(rows), 0, [pad_page] * width, [pad_slot] * rows)
-            self.forward(build_plan([seq], pin=self.device.type == "cuda"))
+        for rows, sessions, width in self.graphs.warm_keys(max_rows):  # rows write the pad slot, read no prefix
+            sizes = [rows // sessions + (i < rows % sessions) for i in range(sessions)]
+            seqs = [SeqRows([0] * n, chain_parents(n), 0, [pad_page] * width, [pad_slot] * n) for n in sizes]
+            self.forward(build_plan(seqs, pin=self.device.type == "cuda"))
         self.cache.copy_rows([pad_slot], [pad_slot])  # the commit kernel compiles and loads now, not in step 1
         self.sync()
         return len(self.graphs.graphs)
