@@ -150,11 +150,11 @@ def test_full_dimension_step_kernels_match_reference(split):
     w = random_target(cfg, experts=range(0, 55), heads=range(0, 10), split=Split(*split) if split else None)
     cache = PagedKVCache(num_layers=2, width=cfg.kv_cache_width, num_pages=40, page_size=64,
                          dtype=torch.bfloat16, device="cuda")
-    cache.table.open("s")
-    cache.table.extend("s", 2000)
+    cache.table.open("s0")
+    cache.table.extend("s0", 2000)
     torch.manual_seed(0)  # this cache gives two rows whose bf16 reference routing flips against fp32
     cache.kv.normal_()
-    plan = tree_plan(cache, 17, 2000, cfg.vocab_size, random.Random(1))
+    plan = tree_plan(cache, 17, cfg.vocab_size, random.Random(1))
     kv0 = cache.kv.clone()
     want, want_routes = routed(K2Model(cfg, fp32_twin(w), use_kernels=False), plan, kv0.float())
     got, got_routes = routed(K2Model(cfg, w, use_kernels=True), plan, cache.kv)

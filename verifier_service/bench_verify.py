@@ -44,6 +44,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--max-batch", type=int, default=VerifierConfig.max_batch,
                    help="the graph column replays through the verifier's GraphRunner sized for this many sessions "
                         "(the verifier's --max-batch), padded as a served step is")
+    p.add_argument("--sessions", type=int, default=1, help="live sessions in the step, each with its own prefix "
+                                                                "and a tree of each --tree-sizes rows")
     p.add_argument("--tree-sizes", default="1,8,16,32,64")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
@@ -122,16 +124,18 @@ def floor_bytes_world(cfg, world: int, rows: int, prefix: int, split: bool = Fal
                        touched=expected_max_experts(cfg, world, rows), split=world if split else 1)
 
 
-def tree_plan(cache: PagedKVCache, rows: int, prefix: int, vocab: int, rng: random.Random, max_context: int = 0):
-    """One session's random tree of `rows` rows over `prefix` committed keys; the page table padded (0) to
-    max_context's pages + 1, the width the verifier's graphs give it (runner: max_pages)."""
-    t = cache.table
-    parents = [rng.randrange(i) if i > 1 else 0 for i in range(1, rows)]  # node i under [0, i)
-    tokens = [rng.randrange(vocab) for _ in range(rows)]
-    pages = t.pages("s")
-    pages = pages + [0] * (math.ceil(max_context / cache.page_size) + 1 - len(pages))
-    seq = SeqRows(tokens, tree_parents(parents), prefix, pages, t.scratch("s", rows))
-    return build_plan([seq], device="cuda")
+def tree_plan(cache: PagedKVCache, rows: int, vocab: int, rng: random.Random, max_context: int = 0,
+              sessions: int = 1):
+    """A random tree of `rows` rows over each of `sessions` sessions' committed keys (s0, s1, …); the page
+    tables padded (0) to max_context's pages + 1, the width the verifier's graphs give them (runner: max_pages)."""
+    t, seqs = cache.table, []
+    for sid in (f"s{i}" for i in range(sessions)):
+        parents = [rng.randrange(i) if i > 1 else 0 for i in range(1, rows)]  # node i under [0, i)
+        tokens = [rng.randrange(vocab) for _ in range(rows)]
+        pages = t.pages(sid)
+        pages = pages + [0] * (math.ceil(max_context / cache.page_size) + 1 - len(pages))
+        seqs.append(SeqRows(tokens, tree_parents(parents), t.length(sid), pages, t.scratch(sid, rows)))
+    return build_plan(seqs, device="cuda")
 
 
 def time_step(model: K2Model, plan, host_plan, kv: torch.Tensor, graphs: GraphRunner, iters: int):
@@ -205,32 +209,34 @@ def main(args) -> int:
     ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce, all_gather=gather)
     say = print if rank == 0 else (lambda *a, **k: None)
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, width=cfg.kv_cache_width, page_size=64,
-                         num_pages=math.ceil(args.prefix / 64) + 5, dtype=torch.bfloat16, device="cuda")
-    cache.table.open("s")
-    cache.table.extend("s", args.prefix)
+                         num_pages=args.sessions * (math.ceil(args.prefix / 64) + 4) + 1, dtype=torch.bfloat16,
+                         device="cuda")
+    for i in range(args.sessions):
+        cache.table.open(f"s{i}")
+        cache.table.extend(f"s{i}", args.prefix)
     cache.kv.normal_()
     bw = copy_bandwidth()
     collectives = "NCCL all-reduces" if world > 1 and reduce is not identity else "no collectives"
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
-        f"{len(experts)} experts, {len(heads)} heads, {layout}, prefix {args.prefix}, {args.routing} routing; "
-        f"copy {bw / 1e9:.0f} GB/s")
+        f"{len(experts)} experts, {len(heads)} heads, {layout}, {args.sessions} session(s) of prefix {args.prefix}, "
+        f"{args.routing} routing; copy {bw / 1e9:.0f} GB/s")
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} "
         f"{'graph/floor':>11} {'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
     rng, out_rows = random.Random(0), []
     graphs = GraphRunner(fast, cache, max_seqs=args.max_batch, max_pages=math.ceil(args.max_context / 64) + 1)
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
-        plan = tree_plan(cache, rows, args.prefix, cfg.vocab_size, rng, args.max_context)
+        plan = tree_plan(cache, rows, cfg.vocab_size, rng, args.max_context, args.sessions)
         host_plan = plan_to(plan, "cpu")
-        with uniform_routing(cfg, rows) if args.routing == "uniform" else contextlib.nullcontext():
+        with uniform_routing(cfg, rows * args.sessions) if args.routing == "uniform" else contextlib.nullcontext():
             eager, replay = time_step(fast, plan, host_plan, cache.kv, graphs, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
             touched = touched_experts(fast, plan, cache.kv, experts)
-        shape = (cfg, args.layers, len(experts), len(heads), rows, args.prefix)
+        shape = (cfg, args.layers, len(experts), len(heads), rows * args.sessions, args.prefix * args.sessions)
         shards = world if split else 1
         floor = 1e3 * floor_bytes(*shape, split=shards) / bw
         routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw
-        row = dict(rows=rows, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
+        row = dict(rows=rows, sessions=args.sessions, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
                    touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
                    layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,
                    split_replicated=split is not None,
