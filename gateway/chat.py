@@ -62,7 +62,8 @@ class ChatTemplate:
             raise ValueError(f"chat template ({self.origin}) failed: {e}") from e
 
 
-# Kimi K2-style template written by `ddtree make-tiny` (reference/k26.md §1.3). Turns are
+# Kimi K2-style template written by `ddtree make-tiny` (reference/k26.md §1.3). Tools, when given, are
+# declared first as `<|im_system|>tool_declare<|im_middle|>{compact JSON}<|im_end|>`. Turns are
 # `<|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>` (tool results use <|im_system|>tool);
 # assistant turns carry a <think> block that keeps its reasoning only after the last user turn or with
 # preserve_thinking; the generation prompt ends with <think> (thinking) or <think></think> (thinking=false)
@@ -77,6 +78,9 @@ KIMI_STYLE_CHAT_TEMPLATE = """\
     {%- endfor -%}
   {%- endif -%}
 {%- endmacro -%}
+{%- if tools -%}
+  {{- '<|im_system|>tool_declare<|im_middle|>' ~ (tools | tojson(separators=(',', ':'))) ~ '<|im_end|>' -}}
+{%- endif -%}
 {%- set ns = namespace(last_user=-1) -%}
 {%- for message in messages -%}
   {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}

@@ -20,7 +20,8 @@ from aiohttp import web
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.config import GatewayConfig
-from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param, stream_flags
+from gateway.openai_api import chat_request, completion_request, openai_param, stream_flags
+from gateway.openai_response import OpenAIResponse
 from gateway.pipeline import Gateway
 from gateway.validation import to_job
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok

@@ -1,29 +1,27 @@
-"""OpenAI-style JSON bodies → the public `GenerateRequest`; the public responses → OpenAI JSON.
+"""OpenAI-style JSON bodies → the public `GenerateRequest` (responses: gateway/openai_response.py).
 
 The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
 gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
 Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_token_ids`, `ignore_eos`,
 `chat_template_kwargs.thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"), `tree_budget`.
-Parameters that would change the target's distribution and are not implemented (penalties, logit bias,
-n > 1, tools) are refused by name rather than ignored.
+Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
+"tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. Parameters that would change the
+target's distribution and are not implemented (penalties, logit bias, n > 1, forced tool choice) are refused
+by name rather than ignored.
 """
 
 from __future__ import annotations
 
-import time
+import json
 from typing import Any
-
-from google.protobuf import json_format
 
 from ddtree.v1 import generation_pb2 as pb
 from service_kit.errors import InvalidArgument
 
 SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
-FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
-                  pb.FINISH_REASON_CANCELLED: "abort"}
 # Refused unless at their no-op value: each would change what is sampled, or how many answers come back.
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
-               "repetition_penalty": 1, "logit_bias": None, "tools": None, "functions": None, "response_format": None}
+               "repetition_penalty": 1, "logit_bias": None, "functions": None, "response_format": None}
 CHAT_TEMPLATE_KWARGS = ("thinking",)
 INT32 = 2**31
 
@@ -132,6 +130,33 @@ def _content(message: dict, i: int) -> str:
     return "\n".join(texts)
 
 
+def _tool_calls(message: dict, i: int) -> list[pb.ToolCall]:
+    """messages[i]'s OpenAI `tool_calls` ([{id, type, function: {name, arguments}}])."""
+    calls = []
+    for j, c in enumerate(_get(message, "tool_calls", list, "a list", [], parent=f"messages[{i}].")):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidArgument(f"messages[{i}].tool_calls[{j}]", "must be an object with a function name")
+        args = fn.get("arguments", "")
+        calls.append(pb.ToolCall(id=str(c.get("id") or ""), name=fn["name"],
+                                 arguments=args if isinstance(args, str) else json.dumps(args)))
+    return calls
+
+
+def _tools(body: dict, req: pb.GenerateRequest) -> None:
+    """`tools` for the chat template, unless `tool_choice` is "none"."""
+    tools = _get(body, "tools", list, "a list of tool definitions", [])
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(t.get("function"), dict):
+            raise InvalidArgument(f"tools[{j}]", "must be {\"type\": \"function\", \"function\": {...}}")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise InvalidArgument("tool_choice", "only \"auto\" and \"none\" are supported")
+    if tools and choice != "none":
+        req.chat.tools_json = json.dumps(tools)
+
+
 def chat_request(body: dict) -> pb.GenerateRequest:
     """POST /v1/chat/completions: `messages` through the model's chat template, in the gateway."""
     req = pb.GenerateRequest()
@@ -141,9 +166,11 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidArgument(f"messages[{i}]", "must be an object with a string role")
-        if m.get("tool_calls"):
-            raise InvalidArgument(f"messages[{i}].tool_calls", "not supported")
-        req.chat.messages.add(role=m["role"], content=_content(m, i))
+        message = req.chat.messages.add(role=m["role"], content=_content(m, i))
+        for name in ("tool_call_id", "name", "reasoning_content"):
+            setattr(message, name, _get(m, name, str, "a string", "", parent=f"messages[{i}]."))
+        message.tool_calls.extend(_tool_calls(m, i))
+    _tools(body, req)
     kwargs = _get(body, "chat_template_kwargs", dict, "an object", {})
     for key, value in kwargs.items():
         if key not in CHAT_TEMPLATE_KWARGS:
@@ -177,107 +204,3 @@ def openai_param(field: str, body: dict, chat: bool) -> str:
         if field.startswith(old):
             return new + field[len(old):]
     return field
-
-
-class OpenAIResponse:
-    """One request's `GenerateResponse` messages as OpenAI JSON: streamed chunks (`start`, `chunk`, `end`) or,
-    after `add`ing every message, the whole `response()`. Extensions: `spec_stats` beside `usage` (DDTree's
-    per-request speculation summary) and vLLM's `stop_reason` (the matched stop string or token id)."""
-
-    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, include_usage: bool):
-        self.chat, self.model, self.tok = chat, model, tokenizer
-        self.request_id = request_id
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.created = int(time.time())
-        self.logprobs, self.include_usage = logprobs, include_usage
-        self.texts: list[str] = []
-        self.reasoning: list[str] = []
-        self.lps: list = []  # chat: the content entries; completions: (token, logprob) pairs
-        self.offset = 0  # completions' text_offset of the next token, characters
-        self.final: pb.Final | None = None
-
-    def _envelope(self, choices: list[dict], stream: bool, **extra) -> dict:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
-
-    def _logprobs(self, chunk: pb.Chunk) -> dict | None:
-        if not self.logprobs:
-            return None
-        if self.chat:
-            return {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.token_bytes(t)),
-                                 "top_logprobs": []} for t, lp in zip(chunk.token_ids, chunk.logprobs)]}
-        tokens = [self.tok.decode([t]) for t in chunk.token_ids]
-        offsets = []
-        for s in tokens:
-            offsets.append(self.offset)
-            self.offset += len(s)
-        return {"tokens": tokens, "token_logprobs": list(chunk.logprobs), "top_logprobs": None, "text_offset": offsets}
-
-    def _finish(self, final: pb.Final) -> dict:
-        stop = final.matched_stop or (final.matched_stop_token_id if final.HasField("matched_stop_token_id") else None)
-        return {"finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"), "stop_reason": stop}
-
-    def _usage_and_stats(self, final: pb.Final) -> dict:
-        u = final.usage
-        stats = json_format.MessageToDict(final.spec_stats, preserving_proto_field_name=True,
-                                          always_print_fields_with_no_presence=True)
-        stats["mode"] = pb.SpecMode.Name(final.spec_stats.mode).removeprefix("SPEC_MODE_").lower()
-        return {"usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                          "total_tokens": u.prompt_tokens + u.completion_tokens,
-                          "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}},
-                "spec_stats": stats}
-
-    def start(self) -> dict | None:
-        """The stream's first event: chat announces the assistant role; completions send nothing."""
-        if not self.chat:
-            return None
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}], True)
-
-    def chunk(self, chunk: pb.Chunk) -> dict | None:
-        """A streamed event for one chunk; None when it carries nothing to show (text held back, no logprobs).
-        Chat puts the model's thinking in `reasoning_content` (vLLM's and DeepSeek's name), the answer in `content`."""
-        if not chunk.text and not chunk.reasoning_text and not (self.logprobs and chunk.token_ids):
-            return None
-        if self.chat:
-            delta = {"reasoning_content": chunk.reasoning_text} if chunk.reasoning_text else {}
-            body = {"delta": {**delta, "content": chunk.text} if chunk.text or not delta else delta}
-        else:
-            body = {"text": chunk.text}
-        return self._envelope([{"index": 0, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}], True)
-
-    def end(self, final: pb.Final) -> list[dict]:
-        """The stream's last events: the finish reason (with spec_stats), then usage if asked for."""
-        body = {"delta": {}} if self.chat else {"text": ""}
-        stats = self._usage_and_stats(final)
-        events = [self._envelope([{"index": 0, **body, "logprobs": None, **self._finish(final)}], True,
-                                 spec_stats=stats["spec_stats"])]
-        if self.include_usage:
-            events.append(self._envelope([], True, usage=stats["usage"]))
-        return events
-
-    def add(self, msg: pb.GenerateResponse) -> None:
-        if msg.HasField("final"):
-            self.final = msg.final
-            return
-        self.texts.append(msg.chunk.text)
-        self.reasoning.append(msg.chunk.reasoning_text)
-        lp = self._logprobs(msg.chunk)
-        if lp is not None:
-            self.lps.append(lp)
-
-    def response(self) -> dict:
-        """The whole non-streamed response, after `add` saw the final message."""
-        text = "".join(self.texts)
-        reasoning = "".join(self.reasoning) or None
-        body = {"message": {"role": "assistant", "content": text, "reasoning_content": reasoning}} if self.chat \
-            else {"text": text}
-        logprobs = None
-        if self.logprobs and self.chat:
-            logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}
-        elif self.logprobs:
-            logprobs = {k: [x for lp in self.lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
-            logprobs["top_logprobs"] = None
-        return self._envelope([{"index": 0, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
-                              **self._usage_and_stats(self.final))

@@ -19,6 +19,7 @@ from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.reasoning import ReasoningSplitter
+from gateway.tool_calls import ToolCallParser
 from gateway.stops import StopMatcher
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import Job, Limits
@@ -120,9 +121,10 @@ class Gateway:
             _observe_latency(last, t0, now, len(c.token_ids))
             last = now
             metrics.GENERATION_TOKENS.inc(len(c.token_ids))
-            reasoning, text, matched = out.feed(c.token_ids)
+            reasoning, text, calls, matched = out.feed(c.token_ids)
             yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=c.token_ids, text=text, logprobs=c.logprobs,
-                                                     num_verify_steps=c.num_verify_steps, reasoning_text=reasoning))
+                                                     num_verify_steps=c.num_verify_steps, reasoning_text=reasoning,
+                                                     tool_calls=calls))
             if matched is not None:
                 spec = await self._stop_generation(job, call)
                 yield pb.GenerateResponse(final=pb.Final(
@@ -149,12 +151,14 @@ class Gateway:
 
 
 class OutputText:
-    """One request's output ids → (reasoning text, answer text): the thinking block split off by id (chat
-    input only), a detokenizer for each part, stop strings on the answer."""
+    """One request's output ids → (reasoning text, answer text, tool calls): for chat input the thinking block
+    and the tool calls parsed out by id, a detokenizer for each text, stop strings on the answer."""
 
     def __init__(self, tokenizer: KimiTokenizer, job: Job):
         self.thought, self.answer = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(tokenizer)
         self.splitter = ReasoningSplitter(job.think, job.request.prompt_ids) if job.think else None
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        self.calls = ToolCallParser(job.tools, decode) if job.tools else None
         self.stops = StopMatcher(list(job.stops))
         self.num_tokens = 0
 
@@ -162,12 +166,13 @@ class OutputText:
     def reasoning_tokens(self) -> int:
         return self.splitter.reasoning_tokens if self.splitter else 0
 
-    def feed(self, ids) -> tuple[str, str, str | None]:
-        """(new reasoning text, new answer text, the stop string matched or None)."""
+    def feed(self, ids) -> tuple[str, str, list[pb.ToolCall], str | None]:
+        """(new reasoning text, new answer text, tool calls completed, the stop string matched or None)."""
         self.num_tokens += len(ids)
         thought, answer = self.splitter.split(ids) if self.splitter else ([], ids)
+        answer, calls = self.calls.feed(answer) if self.calls else (answer, [])
         text, matched = self.stops.feed(self.answer.feed(answer))
-        return self.thought.feed(thought), text, matched
+        return self.thought.feed(thought), text, calls, matched
 
     def flush(self) -> tuple[str, str]:
         """End of stream: what the detokenizers and the stop matcher still hold."""

@@ -19,7 +19,7 @@ from service_kit.server import Lifecycle, Service, run_server
 log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
 FEATURES = ("ar", "chain", "ddtree", "sampling", "logprobs", "stop_strings", "chat", "spec_stats", "reasoning_text",
-            "openai_http")
+            "tool_calls", "openai_http")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

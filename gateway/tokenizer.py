@@ -22,6 +22,7 @@ import tiktoken
 
 from gateway.chat import ChatTemplate
 from gateway.reasoning import ThinkTokens
+from gateway.tool_calls import MARKERS, ToolCallTokens
 
 # The K2-family pre-tokenizer, alternative by alternative as `pat_str` in tokenization_kimi.py: Han runs;
 # words (optional leading non-letter, cased letters with Han excluded, optional English contraction);
@@ -233,6 +234,12 @@ class KimiTokenizer:
         """Kimi's <think> / </think> ids, or None for a vocabulary without them."""
         start, end = self.token_to_id("<think>"), self.token_to_id("</think>")
         return None if start is None or end is None else ThinkTokens(start, end)
+
+    @property
+    def tool_call_tokens(self) -> ToolCallTokens | None:
+        """Kimi's five tool-call marker ids, or None for a vocabulary without them."""
+        ids = [self.token_to_id(m) for m in MARKERS]
+        return None if None in ids else ToolCallTokens(*ids)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids

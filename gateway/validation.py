@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.v1 import generation_pb2 as pb
 from gateway.reasoning import ThinkTokens
+from gateway.tool_calls import ToolCallTokens
 from gateway.tokenizer import KimiTokenizer
 from service_kit.errors import InvalidArgument
 
@@ -32,6 +34,7 @@ class Job:
     request: vpb.VerifierGenerateRequest
     stops: tuple[str, ...]
     think: ThinkTokens | None = None  # chat input: split the thinking block off the answer
+    tools: ToolCallTokens | None = None  # chat input: parse tool calls out of the answer
 
 
 def prompt_ids(req: pb.GenerateRequest, tok: KimiTokenizer) -> list[int]:
@@ -48,11 +51,35 @@ def prompt_ids(req: pb.GenerateRequest, tok: KimiTokenizer) -> list[int]:
         if m.role not in ("system", "user", "assistant", "tool"):
             raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {m.role!r}")
     kwargs = {"thinking": req.chat.thinking} if req.chat.HasField("thinking") else {}
-    messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    if req.chat.tools_json:
+        kwargs["tools"] = _tools(req.chat.tools_json)
+    messages = [_message(m) for m in req.chat.messages]
     try:
         return tok.encode_chat(messages, **kwargs)
     except ValueError as e:
         raise InvalidArgument("chat", str(e)) from e
+
+
+def _tools(text: str) -> list:
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument("chat.tools_json", f"not valid JSON: {e}") from e
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument("chat.tools_json", "must be a JSON list of tool definitions (objects)")
+    return tools
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    """A turn as the chat template reads it: OpenAI's message shape, optional fields only when set."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+    for name in ("tool_call_id", "name", "reasoning_content"):
+        if getattr(m, name):
+            message[name] = getattr(m, name)
+    return message
 
 
 def check_sampling(s: pb.SamplingParams) -> None:
@@ -95,6 +122,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     max_new = check_stopping(req.stopping, limits)
     check_speculation(req.speculation, limits)
     ids = prompt_ids(req, tok)
+    chat = req.WhichOneof("input") == "chat"
     if not ids:
         raise InvalidArgument("input", "the prompt is empty")
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
@@ -109,4 +137,5 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
             return_logprobs=req.return_logprobs),
-        stops=tuple(req.stopping.stop), think=tok.think_tokens if req.WhichOneof("input") == "chat" else None)
+        stops=tuple(req.stopping.stop), think=tok.think_tokens if chat else None,
+        tools=tok.tool_call_tokens if chat else None)

@@ -61,7 +61,8 @@ def format_final(final: pb.Final) -> str:
 
 
 class ChunkPrinter:
-    """Chunks to stdout; a chat answer's thinking block between <think> and </think>, as the model wrote it."""
+    """Chunks to stdout; a chat answer's thinking block between <think> and </think>, as the model wrote it,
+    and each tool call on a line of its own."""
 
     def __init__(self):
         self.state = "start"  # -> "thinking" -> "answer"
@@ -72,11 +73,13 @@ class ChunkPrinter:
                 sys.stdout.write("<think>")
                 self.state = "thinking"
             sys.stdout.write(chunk.reasoning_text)
-        if chunk.text:
+        if chunk.text or chunk.tool_calls:
             if self.state == "thinking":
                 sys.stdout.write("</think>")
             self.state = "answer"
             sys.stdout.write(chunk.text)
+        for call in chunk.tool_calls:
+            sys.stdout.write(f"\n[tool call {call.id}] {call.name}({call.arguments})\n")
         sys.stdout.flush()
 
 

@@ -120,6 +120,18 @@ def test_chat_stream_adds_up_to_the_reference(idle, client):
     assert len({e.id for e in events}) == 1 and events[0].id.startswith("chatcmpl-")
 
 
+def test_chat_with_tools_and_tool_turns(idle, client):
+    """Tools and a finished tool round trip go through the template as the tokenizer renders them."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.get_weather:0",
+                "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18 C"}]
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, tools=tools,
+                                       max_tokens=4, extra_body=DDTREE)
+    want = KimiTokenizer.from_dir(idle.model).encode_chat(messages, tools=tools)
+    assert r.usage.prompt_tokens == len(want) and r.usage.completion_tokens == 4
+
+
 def test_completions_token_ids_with_logprobs_equal_grpc(idle, client):
     req = pb.GenerateRequest(return_logprobs=True)
     req.token_ids.ids.extend(PROMPTS[2])

@@ -4,16 +4,21 @@ parameter the client sent; streamed events add up to the non-streamed response."
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.http_api import error_body
-from gateway.openai_api import OpenAIResponse, chat_request, completion_request, openai_param, stream_flags
+from gateway.openai_api import chat_request, completion_request, openai_param, stream_flags
+from gateway.openai_response import OpenAIResponse
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import Limits, to_job
 from service_kit.errors import InvalidArgument, ResourceExhausted, ServiceError
 
+LIMITS_LONG = Limits(vocab_size=5000, max_context=4096, max_new_tokens=32, default_max_new_tokens=8,
+                     max_tree_budget=16, max_stop_strings=2)
 LIMITS = Limits(vocab_size=1000, max_context=64, max_new_tokens=32, default_max_new_tokens=8, max_tree_budget=16,
                 max_stop_strings=2)
 
@@ -75,6 +80,66 @@ def test_completion_refusals_name_the_parameter(body, param):
     assert e.value.field == param, e.value.message
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_chat_tools_and_tool_turns(tok):
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": "", "reasoning_content": "I should look.",
+                          "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                         {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather",
+                          "content": "18 C"}],
+            "tools": [WEATHER]}
+    req = chat_request(body)
+    assert json.loads(req.chat.tools_json) == [WEATHER]
+    call = req.chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, json.loads(call.arguments)) == ("functions.get_weather:0", "get_weather",
+                                                                 {"city": "Paris"})
+    assert req.chat.messages[1].reasoning_content == "I should look."
+    assert (req.chat.messages[2].tool_call_id, req.chat.messages[2].name) == ("functions.get_weather:0", "get_weather")
+    assert not chat_request({**body, "tool_choice": "none"}).chat.tools_json
+    # The prompt is the template's rendering of exactly these messages and tools (OpenAI's shapes).
+    want = [dict(m) for m in body["messages"]]
+    want[1]["tool_calls"] = [{"id": "functions.get_weather:0", "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert list(to_job(req, tok, LIMITS_LONG).request.prompt_ids) == tok.encode_chat(want, tools=[WEATHER])
+    assert "tool_declare" in tok.decode(tok.encode_chat(want, tools=[WEATHER]))
+
+
+@pytest.mark.parametrize("tools_json", ["{not json", '{"type": "function"}', "[1]"])
+def test_grpc_tools_json_is_checked(tok, tools_json):
+    req = pb.GenerateRequest()
+    req.chat.messages.add(role="user", content="x")
+    req.chat.tools_json = tools_json
+    with pytest.raises(InvalidArgument) as e:
+        to_job(req, tok, LIMITS_LONG)
+    assert e.value.field == "chat.tools_json", e.value.message
+
+
+def test_streamed_tool_calls_and_finish_reason(tok):
+    calls = [pb.ToolCall(id=f"functions.get_weather:{k}", name="get_weather", arguments=f'{{"k": {k}}}')
+             for k in range(3)]
+    msgs = [pb.GenerateResponse(chunk=pb.Chunk(token_ids=[1], text="Checking.", tool_calls=calls[:2])),
+            pb.GenerateResponse(chunk=pb.Chunk(token_ids=[2], tool_calls=calls[2:])),
+            pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_EOS, usage=pb.Usage()))]
+    whole = OpenAIResponse(True, "r", "m", tok, logprobs=False, include_usage=False)
+    for m in msgs:
+        whole.add(m)
+    choice = whole.response()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"k": 0}', '{"k": 1}', '{"k": 2}']
+    streamed = OpenAIResponse(True, "r", "m", tok, logprobs=False, include_usage=False)
+    events = [streamed.chunk(m.chunk) for m in msgs[:2]] + streamed.end(msgs[2].final)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert [t["index"] for d in deltas for t in d.get("tool_calls", [])] == [0, 1, 2]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    plain = OpenAIResponse(True, "r", "m", tok, logprobs=False, include_usage=False)
+    plain.add(msgs[2])
+    assert plain.response()["choices"][0]["finish_reason"] == "stop"
+    assert plain.response()["choices"][0]["message"]["tool_calls"] is None
+
+
 def test_stream_flags():
     assert stream_flags({}) == (False, False)
     assert stream_flags({"stream": True, "stream_options": {"include_usage": True}}) == (True, True)
@@ -106,13 +171,19 @@ def test_chat_messages_parts_and_template_kwargs():
     ({"messages": [{"content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": {"id": "1"}}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [{"function": {}}]},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": {"type": "function"}}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"mode": 1}},
      "chat_template_kwargs.mode"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "no"}},
      "chat_template_kwargs.thinking"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval", "function": {}}]}, "tools[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
 ])
 def test_chat_refusals_name_the_parameter(body, param):

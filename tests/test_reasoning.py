@@ -35,7 +35,7 @@ def run(tok, prompt: list[int], ids: list[int], rng: random.Random, stops: tuple
     thought, answer, i, matched = [], [], 0, None
     while i < len(ids) and matched is None:
         n = rng.randint(1, 6)
-        r, a, matched = out.feed(ids[i:i + n])
+        r, a, _, matched = out.feed(ids[i:i + n])
         thought.append(r)
         answer.append(a)
         i += n

@@ -1,0 +1,133 @@
+"""The public `GenerateResponse` messages of one request → OpenAI's JSON (the HTTP surface,
+gateway/http_api.py): chat.completion(.chunk) and text_completion objects, streamed or whole."""
+
+from __future__ import annotations
+
+import time
+
+from google.protobuf import json_format
+
+from ddtree.v1 import generation_pb2 as pb
+
+FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
+                  pb.FINISH_REASON_CANCELLED: "abort"}
+
+
+class OpenAIResponse:
+    """One request's `GenerateResponse` messages as OpenAI JSON: streamed chunks (`start`, `chunk`, `end`) or,
+    after `add`ing every message, the whole `response()`. Extensions: `spec_stats` beside `usage` (DDTree's
+    per-request speculation summary) and vLLM's `stop_reason` (the matched stop string or token id)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, include_usage: bool):
+        self.chat, self.model, self.tok = chat, model, tokenizer
+        self.request_id = request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.logprobs, self.include_usage = logprobs, include_usage
+        self.texts: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[dict] = []
+        self.lps: list = []  # chat: the content entries; completions: (token, logprob) pairs
+        self.offset = 0  # completions' text_offset of the next token, characters
+        self.final: pb.Final | None = None
+
+    def _envelope(self, choices: list[dict], stream: bool, **extra) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def _logprobs(self, chunk: pb.Chunk) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.token_bytes(t)),
+                                 "top_logprobs": []} for t, lp in zip(chunk.token_ids, chunk.logprobs)]}
+        tokens = [self.tok.decode([t]) for t in chunk.token_ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": list(chunk.logprobs), "top_logprobs": None, "text_offset": offsets}
+
+    def _tool_calls(self, chunk: pb.Chunk) -> list[dict]:
+        """The chunk's calls in OpenAI's shape, numbered across the response (`index`)."""
+        new = [{"index": len(self.calls) + k, "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(chunk.tool_calls)]
+        self.calls += new
+        return new
+
+    def _finish(self, final: pb.Final) -> dict:
+        stop = final.matched_stop or (final.matched_stop_token_id if final.HasField("matched_stop_token_id") else None)
+        reason = FINISH_REASONS.get(final.finish_reason, "stop")
+        if self.calls and final.finish_reason == pb.FINISH_REASON_EOS:
+            reason = "tool_calls"  # the turn ended after calling tools: the client runs them
+        return {"finish_reason": reason, "stop_reason": stop}
+
+    def _usage_and_stats(self, final: pb.Final) -> dict:
+        u = final.usage
+        stats = json_format.MessageToDict(final.spec_stats, preserving_proto_field_name=True,
+                                          always_print_fields_with_no_presence=True)
+        stats["mode"] = pb.SpecMode.Name(final.spec_stats.mode).removeprefix("SPEC_MODE_").lower()
+        return {"usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                          "total_tokens": u.prompt_tokens + u.completion_tokens,
+                          "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}},
+                "spec_stats": stats}
+
+    def start(self) -> dict | None:
+        """The stream's first event: chat announces the assistant role; completions send nothing."""
+        if not self.chat:
+            return None
+        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}], True)
+
+    def chunk(self, chunk: pb.Chunk) -> dict | None:
+        """A streamed event for one chunk; None when it carries nothing to show (text held back, no logprobs).
+        Chat puts the model's thinking in `reasoning_content` (vLLM's and DeepSeek's name), the answer in `content`."""
+        if not (chunk.text or chunk.reasoning_text or chunk.tool_calls or (self.logprobs and chunk.token_ids)):
+            return None
+        if self.chat:
+            delta = {"reasoning_content": chunk.reasoning_text} if chunk.reasoning_text else {}
+            if chunk.tool_calls:
+                delta["tool_calls"] = self._tool_calls(chunk)
+            body = {"delta": {**delta, "content": chunk.text} if chunk.text or not delta else delta}
+        else:
+            body = {"text": chunk.text}
+        return self._envelope([{"index": 0, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}], True)
+
+    def end(self, final: pb.Final) -> list[dict]:
+        """The stream's last events: the finish reason (with spec_stats), then usage if asked for."""
+        body = {"delta": {}} if self.chat else {"text": ""}
+        stats = self._usage_and_stats(final)
+        events = [self._envelope([{"index": 0, **body, "logprobs": None, **self._finish(final)}], True,
+                                 spec_stats=stats["spec_stats"])]
+        if self.include_usage:
+            events.append(self._envelope([], True, usage=stats["usage"]))
+        return events
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        if msg.HasField("final"):
+            self.final = msg.final
+            return
+        self.texts.append(msg.chunk.text)
+        self.reasoning.append(msg.chunk.reasoning_text)
+        self._tool_calls(msg.chunk)
+        lp = self._logprobs(msg.chunk)
+        if lp is not None:
+            self.lps.append(lp)
+
+    def response(self) -> dict:
+        """The whole non-streamed response, after `add` saw the final message."""
+        text = "".join(self.texts)
+        body = {"text": text}
+        if self.chat:
+            calls = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+            body = {"message": {"role": "assistant", "content": text or (None if calls else ""),
+                                "reasoning_content": "".join(self.reasoning) or None, "tool_calls": calls or None}}
+        logprobs = None
+        if self.logprobs and self.chat:
+            logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}
+        elif self.logprobs:
+            logprobs = {k: [x for lp in self.lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
+            logprobs["top_logprobs"] = None
+        return self._envelope([{"index": 0, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
+                              **self._usage_and_stats(self.final))
