@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import time
 
 import grpc
@@ -203,7 +204,7 @@ def test_bearer_token_guards_both_ports(idle, client):
     assert raw(idle, "GET", "/health", key=None)[0] == 200
 
 
-def _open_stream(port: int, body: dict) -> http.client.HTTPConnection:
+def _open_stream(port: int, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """A streamed completion read up to its first event; closing the returned connection hangs up."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("POST", "/v1/completions", body=json.dumps(body),
@@ -211,12 +212,12 @@ def _open_stream(port: int, body: dict) -> http.client.HTTPConnection:
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     assert resp.readline().startswith(b"data: {")  # the first token has come
-    return conn
+    return conn, resp
 
 
 def test_client_hangup_frees_the_session(idle):
     model = idle.verifier_info().model_name
-    conn = _open_stream(idle.http_port, {"model": model, "prompt": PROMPTS[2], "max_tokens": 250, "stream": True,
+    conn, _ = _open_stream(idle.http_port, {"model": model, "prompt": PROMPTS[2], "max_tokens": 250, "stream": True,
                                          **DDTREE})
     wait_until(lambda: idle.drafter_info().sessions == 1, 10, "the drafter to hold the session")
     assert idle.verifier_info().pages_used > 0
@@ -232,7 +233,7 @@ def test_admission_limit_is_429(idle):
     gw = idle.add_gateway("--max-concurrent-requests", "1", "--http-port", str(port), name="gateway-http-admission")
     try:
         model = idle.verifier_info().model_name
-        held = _open_stream(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": 250, "stream": True,
+        held, _ = _open_stream(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": 250, "stream": True,
                                    "spec_mode": "ar", "ignore_eos": True})
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.RateLimitError) as e:
@@ -265,3 +266,30 @@ def test_cli_generate_marks_the_thinking_block(idle, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out == f"<think>{ref.reasoning}" + (f"</think>{ref.text}" if ref.text else "") + "\n"
+
+
+def test_sigterm_drains_http_streams(idle):
+    """SIGTERM to a gateway: /health stops answering 200 at once, the open HTTP stream still runs to its end
+    ([DONE], every token), then the process exits cleanly."""
+    port = free_port()
+    gw = idle.add_gateway("--http-port", str(port), name="gateway-http-drain")
+    try:
+        model = idle.verifier_info().model_name
+        _, resp = _open_stream(port, {"model": model, "prompt": PROMPTS[1], "max_tokens": 160, "stream": True,
+                                   "spec_mode": "ar", "ignore_eos": True, "stream_options": {"include_usage": True}})
+        gw.signal(signal.SIGTERM)  # 160 tokens take longer than this test's first event (~0.5 s on CPU)
+
+        def health() -> int | None:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/health")
+                return c.getresponse().status
+            except OSError:
+                return None
+        wait_until(lambda: health() != 200, 3, "/health to stop answering 200 while draining", period=0.02)
+        events = [line for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 160
+        assert gw.wait(15) == 0, gw.log_tail()
+    finally:
+        gw.kill()
