@@ -27,7 +27,7 @@ class OpenAIResponse:
         self.texts: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[dict] = []
-        self.lps: list = []  # chat: the content entries; completions: (token, logprob) pairs
+        self.lps: list[dict] = []  # each chunk's logprobs object (_logprobs), joined by response()
         self.offset = 0  # completions' text_offset of the next token, characters
         self.final: pb.Final | None = None
 
