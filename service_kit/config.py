@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str) -> None
         tp = _field_type(cls, f)
         flag = "--" + f.name.replace("_", "-")
         var = env_name(env_prefix, f.name)
-        help_text = f"{f.metadata.get('help', '')} [env {var}; default %(default)s]"
+        shown = "%(default)s" if f.repr else "hidden"  # a secret's value (from the variable) stays out of --help
+        help_text = f"{f.metadata.get('help', '')} [env {var}; default {shown}]"
         raw = os.environ.get(var)
         if typing.get_origin(tp) is tuple:
             item = typing.get_args(tp)[0]

@@ -89,6 +89,21 @@ def test_cli_dry_run_matches_flags(capsys):
     assert "window=128" in out and "target_model='t'" in out
 
 
+def test_api_key_stays_out_of_help_and_dry_run(capsys, monkeypatch):
+    from service_kit.cli import main
+
+    monkeypatch.setenv("DDTREE_GATEWAY_API_KEY", "sekrit-123")
+    with pytest.raises(SystemExit):
+        main(["gateway", "--help"])
+    assert "DDTREE_GATEWAY_API_KEY" in capsys.readouterr().out
+    assert main(["gateway", "--model", "m", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "http_port=8000" in out and "sekrit" not in out
+    with pytest.raises(SystemExit):
+        main(["gateway", "--help"])
+    assert "sekrit" not in capsys.readouterr().out
+
+
 def test_gateway_command_never_imports_torch():
     """The gateway runs on CPU-only images: `ddtree gateway` must not pull torch in."""
     import subprocess
