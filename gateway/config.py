@@ -11,7 +11,7 @@ from service_kit.config import ServerConfig, option
 class GatewayConfig(ServerConfig):
     port: int = option(50051, "public gRPC port")
     http_port: int = option(8000, "OpenAI-compatible HTTP port: /v1/chat/completions, /v1/completions, /v1/models, "
-                                  "/health (0 = off)")
+                                  "/health, /metrics (0 = off)")
     api_key: str = option("", "bearer token every client must send on both ports (`authorization: Bearer <key>`); "
                               "empty = no check. Prefer the variable to the flag (argv is visible in ps)", secret=True)
     served_model_name: str = option("", "the `model` HTTP clients send and /v1/models lists (default: the "

@@ -1,6 +1,7 @@
 """The gateway's OpenAI-compatible HTTP surface (aiohttp, in the gRPC server's event loop, over the same
 `Gateway`): POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream`),
-GET /v1/models, GET /health (200 when serving, else 503; no token needed).
+GET /v1/models, GET /health (200 when serving, else 503) and GET /metrics (Prometheus, as on --metrics-port);
+the last two need no token, as vLLM's do not.
 
 Handlers are thin: JSON → GenerateRequest (gateway/openai_api.py) → the same validation, admission and
 pipeline as gRPC `Generate` → JSON. Errors are OpenAI's shape, `{"error": {"message", "type", "param",
@@ -15,6 +16,7 @@ import contextlib
 import json
 
 import grpc
+import prometheus_client
 import structlog
 from aiohttp import web
 
@@ -34,6 +36,7 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRE
                grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
                grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+OPEN_PATHS = ("/health", "/metrics")  # probed by orchestrators and scrapers
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
@@ -54,7 +57,7 @@ def make_middleware(api_key: str):
     @web.middleware
     async def middleware(request: web.Request, handler):
         """The bearer token (all but /health), then ServiceError → OpenAI error JSON, anything else → 500."""
-        if request.path != "/health" and not bearer_ok(request.headers.get("Authorization"), api_key):
+        if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), api_key):
             return error_response(ServiceError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED))
         try:
             return await handler(request)
@@ -84,6 +87,10 @@ class Handlers:
         if self.gateway.info is None:
             raise Unavailable("gateway is not connected to a verifier yet")
         return self.gateway.config.served_model_name or self.gateway.info.model_name
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=prometheus_client.generate_latest(),
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         name = self._model_name()
@@ -182,6 +189,7 @@ def build_app(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig) -> 
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
     return app
 
 

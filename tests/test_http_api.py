@@ -86,8 +86,10 @@ def raw(stack, method: str, path: str, body: bytes | None = None, key: str | Non
     return resp.status, resp.read(), resp
 
 
-def test_models_and_health(stack, client):
+def test_models_health_and_metrics(stack, client):
     assert raw(stack, "GET", "/health", key=None)[0] == 200
+    status, body, _ = raw(stack, "GET", "/metrics", key=None)
+    assert status == 200 and b"ddtree_num_requests_running" in body
     models = client.models.list().data
     assert [m.id for m in models] == [stack.verifier_info().model_name]
 
