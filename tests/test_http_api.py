@@ -295,3 +295,24 @@ def test_sigterm_drains_http_streams(idle):
         assert gw.wait(15) == 0, gw.log_tail()
     finally:
         gw.kill()
+
+
+def test_concurrent_http_streams_each_equal_their_grpc_reference(idle, client):
+    """Eight streams at once over HTTP, mixed modes and budgets: each one's text is its own prompt's AR text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    refs = [grpc_ar(idle, gen_request(p, 24), max_new=24).text for p in prompts]
+    model = client.models.list().data[0].id
+
+    def one(i: int) -> str:
+        extra = {"spec_mode": ("ar", "chain", "ddtree")[i % 3], "tree_budget": (4, 16, 64)[i % 3], "ignore_eos": True}
+        if i % 3 == 1:
+            extra.pop("tree_budget")
+        events = client.completions.create(model=model, prompt=prompts[i], max_tokens=24, stream=True,
+                                           extra_body=extra)
+        return "".join(c.text for e in events for c in e.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(8)))
+    assert got == refs
