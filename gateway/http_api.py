@@ -56,7 +56,7 @@ def error_response(e: ServiceError) -> web.Response:
 def make_middleware(api_key: str):
     @web.middleware
     async def middleware(request: web.Request, handler):
-        """The bearer token (all but /health), then ServiceError → OpenAI error JSON, anything else → 500."""
+        """The bearer token (all but OPEN_PATHS), then ServiceError → OpenAI error JSON, anything else → 500."""
         if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), api_key):
             return error_response(ServiceError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED))
         try:
