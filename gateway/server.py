@@ -19,7 +19,7 @@ from service_kit.server import Lifecycle, Service, run_server
 log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
 FEATURES = ("ar", "chain", "ddtree", "sampling", "logprobs", "stop_strings", "chat", "spec_stats", "reasoning_text",
-            "tool_calls", "openai_http")
+            "tool_calls")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -62,7 +62,8 @@ def server_info(gateway: Gateway) -> pb.ServerInfo:
         max_context_length=info.max_context_length, max_new_tokens_limit=info.max_new_tokens_limit,
         default_mode=info.default_mode, default_tree_budget=info.default_tree_budget,
         max_tree_budget=info.max_tree_budget, drafter_block_size=info.drafter_block_size,
-        eos_token_ids=info.eos_token_ids, supported_features=FEATURES,
+        eos_token_ids=info.eos_token_ids,
+        supported_features=FEATURES + (("openai_http",) if gateway.config.http_port else ()),
         verifier_world_size=info.world_size, drafter_replicas=len(info.drafters),
         drafter_replicas_healthy=healthy, max_concurrent_requests=gateway.config.max_concurrent_requests)
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -36,7 +37,7 @@ class Served:
     def __init__(self, proc: Proc, ports: dict[str, int]):
         self.proc, self.ports = proc, ports
         self.address = {name: f"{HOST}:{port}" for name, port in ports.items()}
-        self.channels = {name: grpc.insecure_channel(a) for name, a in self.address.items()}
+        self.channels = {name: grpc.insecure_channel(a) for name, a in self.address.items() if name != "http"}
         self.generation = pb_grpc.GenerationStub(self.channels["gateway"])
         self.verifier = vpb_grpc.VerifierStub(self.channels["verifier"])
         self.drafter = dpb_grpc.DrafterStub(self.channels["drafter"])
@@ -48,12 +49,12 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(request, tiny_ckpt, tmp_path_factory):
-    ports = {name: free_port() for name in ("gateway", "verifier", "drafter")}
+    ports = {name: free_port() for name in ("gateway", "verifier", "drafter", "http")}
     ddtree = Path(sys.executable).with_name("ddtree")
     cmd = [str(ddtree)] if ddtree.exists() else [sys.executable, "-m", "service_kit.cli"]
     cmd += ["serve", "--model", str(tiny_ckpt), "--host", HOST, "--grace-s", str(GRACE_S),
             "--gateway-port", str(ports["gateway"]), "--verifier-port", str(ports["verifier"]),
-            "--drafter-port", str(ports["drafter"])]
+            "--drafter-port", str(ports["drafter"]), "--http-port", str(ports["http"])]
     env = service_env({"DDTREE_VERIFIER_KV_CACHE_MB": "8", "DDTREE_DRAFTER_CACHE_MB": "8",
                        "DDTREE_DRAFTER_WINDOW": "1024"})
     proc = Proc("ddtree-serve", cmd, tmp_path_factory.mktemp("serve") / "serve.log", env=env)
@@ -76,6 +77,9 @@ def test_all_three_report_serving_and_server_info(served, tiny_ckpt):
     assert info.drafter_block_size == 8 and info.drafter_replicas == 1 and info.drafter_replicas_healthy == 1
     assert list(info.eos_token_ids) == [1793, 1794] and info.verifier_world_size == 1
     assert {"ar", "chain", "ddtree", "sampling"} <= set(info.supported_features)
+    assert "openai_http" in info.supported_features  # `ddtree serve` opens the HTTP port (8000 or --http-port)
+    with urllib.request.urlopen(f"http://{HOST}:{served.ports['http']}/health", timeout=5) as r:
+        assert r.status == 200
     assert 1 <= info.default_tree_budget <= info.max_tree_budget and info.max_new_tokens_limit > 0
     assert info.max_context_length > 0 and info.max_concurrent_requests > 0
     assert info.default_mode == pb.SPEC_MODE_DDTREE
