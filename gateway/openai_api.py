@@ -166,7 +166,8 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidArgument(f"messages[{i}]", "must be an object with a string role")
-        message = req.chat.messages.add(role=m["role"], content=_content(m, i))
+        role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for the system turn
+        message = req.chat.messages.add(role=role, content=_content(m, i))
         for name in ("tool_call_id", "name", "reasoning_content"):
             setattr(message, name, _get(m, name, str, "a string", "", parent=f"messages[{i}]."))
         message.tool_calls.extend(_tool_calls(m, i))

@@ -162,6 +162,7 @@ def test_chat_messages_parts_and_template_kwargs():
     assert req.chat.HasField("thinking") and not req.chat.thinking
     assert req.return_logprobs and req.stopping.max_new_tokens == 5  # max_completion_tokens wins, as at OpenAI
     assert not chat_request({"messages": [{"role": "user", "content": "x"}]}).chat.HasField("thinking")
+    assert chat_request({"messages": [{"role": "developer", "content": "be brief"}]}).chat.messages[0].role == "system"
 
 
 @pytest.mark.parametrize("body, param", [
