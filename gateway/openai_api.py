@@ -3,7 +3,8 @@
 The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
 gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
 Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_token_ids`, `ignore_eos`,
-`chat_template_kwargs.thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"), `tree_budget`.
+`chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
+`tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. Parameters that would change the
 target's distribution and are not implemented (penalties, logit bias, n > 1, forced tool choice) are refused
@@ -22,7 +23,7 @@ SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.S
 # Refused unless at their no-op value: each would change what is sampled, or how many answers come back.
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
                "repetition_penalty": 1, "logit_bias": None, "functions": None, "response_format": None}
-CHAT_TEMPLATE_KWARGS = ("thinking",)
+CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatMessages' fields of these names
 INT32 = 2**31
 
 
@@ -176,9 +177,9 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     for key, value in kwargs.items():
         if key not in CHAT_TEMPLATE_KWARGS:
             raise InvalidArgument(f"chat_template_kwargs.{key}", f"unknown (known: {', '.join(CHAT_TEMPLATE_KWARGS)})")
-        thinking = _get(kwargs, key, bool, "a boolean", parent="chat_template_kwargs.")
-        if thinking is not None:
-            req.chat.thinking = thinking
+        value = _get(kwargs, key, bool, "a boolean", parent="chat_template_kwargs.")
+        if value is not None:
+            setattr(req.chat, key, value)
     top = _int(body, "top_logprobs")
     if top:
         raise InvalidArgument("top_logprobs", "only 0 is supported (the sampled token's logprob, no alternatives)")

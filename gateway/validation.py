@@ -50,7 +50,7 @@ def prompt_ids(req: pb.GenerateRequest, tok: KimiTokenizer) -> list[int]:
     for i, m in enumerate(req.chat.messages):
         if m.role not in ("system", "user", "assistant", "tool"):
             raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {m.role!r}")
-    kwargs = {"thinking": req.chat.thinking} if req.chat.HasField("thinking") else {}
+    kwargs = {name: getattr(req.chat, name) for name in ("thinking", "preserve_thinking") if req.chat.HasField(name)}
     if req.chat.tools_json:
         kwargs["tools"] = _tools(req.chat.tools_json)
     messages = [_message(m) for m in req.chat.messages]

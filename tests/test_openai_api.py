@@ -165,6 +165,16 @@ def test_chat_messages_parts_and_template_kwargs():
     assert chat_request({"messages": [{"role": "developer", "content": "be brief"}]}).chat.messages[0].role == "system"
 
 
+def test_preserve_thinking_reaches_the_template(tok):
+    """K2.6's preserve_thinking keeps an earlier assistant turn's reasoning in the prompt; default: dropped."""
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "SECRET"},
+             {"role": "user", "content": "c"}]
+    for kwargs, kept in (({}, False), ({"preserve_thinking": True}, True), ({"preserve_thinking": False}, False)):
+        req = chat_request({"messages": turns, "chat_template_kwargs": kwargs})
+        prompt = tok.decode(list(to_job(req, tok, LIMITS_LONG).request.prompt_ids))
+        assert ("SECRET" in prompt) == kept, (kwargs, prompt)
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, "messages"),
     ({"messages": []}, "messages"),
