@@ -1,7 +1,7 @@
 """The gateway's OpenAI-compatible HTTP surface (aiohttp, in the gRPC server's event loop, over the same
 `Gateway`): POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream`),
-GET /v1/models, GET /health (200 when serving, else 503) and GET /metrics (Prometheus, as on --metrics-port);
-the last two need no token, as vLLM's do not.
+GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (200 when serving, else 503) and
+GET /metrics (Prometheus, as on --metrics-port); the last two need no token, as vLLM's do not.
 
 Handlers are thin: JSON → GenerateRequest (gateway/openai_api.py) → the same validation, admission and
 pipeline as gRPC `Generate` → JSON. Errors are OpenAI's shape, `{"error": {"message", "type", "param",
@@ -25,7 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.openai_api import chat_request, completion_request, openai_param, stream_flags
 from gateway.openai_response import OpenAIResponse
 from gateway.pipeline import Gateway
-from gateway.validation import to_job
+from gateway.validation import prompt_ids, to_job
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from service_kit.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from service_kit.logs import get_logger
@@ -96,7 +96,34 @@ class Handlers:
         name = self._model_name()
         return web.json_response({"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "ddtree-serve",
-            "max_model_len": self.gateway.info.max_context_length}]})
+            "max_model_len": self._max_model_len()}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `prompt` (text or ids) or `messages` (through the chat template, tools included),
+        tokenized exactly as a generation's prompt is."""
+        body = await _json_object(request)
+        chat = "messages" in body
+        req = chat_request(body) if chat else completion_request(body)
+        try:
+            ids = prompt_ids(req, self.gateway.tokenizer)
+        except InvalidArgument as e:
+            raise InvalidArgument(openai_param(e.field, body, chat), e.detail) from e
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self._max_model_len()})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: `tokens` (ids) → `prompt` (text, special tokens kept)."""
+        ids = (await _json_object(request)).get("tokens")
+        vocab = self.gateway.tokenizer.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidArgument("tokens", "must be a list of token ids")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"tokens[{bad}]", f"{ids[bad]} is outside [0, {vocab})")
+        return web.json_response({"prompt": self.gateway.tokenizer.decode(ids)})
+
+    def _max_model_len(self) -> int:
+        self._model_name()  # Unavailable before the verifier's info
+        return self.gateway.info.max_context_length
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -188,6 +215,8 @@ def build_app(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig) -> 
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
+    app.router.add_post("/tokenize", h.tokenize)
+    app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/health", h.health)
     app.router.add_get("/metrics", h.metrics)
     return app

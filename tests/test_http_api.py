@@ -324,3 +324,22 @@ def test_server_info_lists_the_http_surface(idle):
     with pytest.raises(grpc.RpcError) as e:  # the token guards GetServerInfo too
         idle.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_tokenize_and_detokenize_match_the_generation_prompt(idle, client):
+    tok = KimiTokenizer.from_dir(idle.model)
+    status, body, _ = raw(idle, "POST", "/tokenize", json.dumps({"messages": CHAT}).encode())
+    got = json.loads(body)
+    want = tok.encode_chat(CHAT)
+    assert status == 200 and got["tokens"] == want and got["count"] == len(want) > 0
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, max_tokens=1)
+    assert r.usage.prompt_tokens == got["count"]  # the same prompt a generation gets
+    status, body, _ = raw(idle, "POST", "/tokenize", json.dumps({"prompt": "hello world"}).encode())
+    assert status == 200 and json.loads(body)["tokens"] == tok.encode("hello world")
+    status, body, _ = raw(idle, "POST", "/detokenize", json.dumps({"tokens": want}).encode())
+    assert status == 200 and json.loads(body)["prompt"] == tok.decode(want)
+    for path, payload, param in (("/detokenize", {"tokens": [10**9]}, "tokens[0]"), ("/detokenize", {}, "tokens"),
+                                 ("/tokenize", {"messages": []}, "messages"), ("/tokenize", {"prompt": 5}, "prompt")):
+        status, body, _ = raw(idle, "POST", path, json.dumps(payload).encode())
+        assert status == 400 and json.loads(body)["error"]["param"] == param, (path, body)
+    assert raw(idle, "POST", "/tokenize", json.dumps({"prompt": "x"}).encode(), key=None)[0] == 401
