@@ -20,7 +20,8 @@ from ddtree.v1 import generation_pb2 as pb
 from service_kit.errors import InvalidArgument
 
 SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
-# Refused unless at their no-op value: each would change what is sampled, or how many answers come back.
+# Refused unless at their no-op value (or empty; response_format {"type": "text"} is plain text, the default):
+# each would change what is sampled, or how many answers come back.
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
                "repetition_penalty": 1, "logit_bias": None, "functions": None, "response_format": None}
 CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatMessages' fields of these names
@@ -47,7 +48,7 @@ def _int(body: dict, name: str, default: int | None = None) -> int | None:
 def _check_unsupported(body: dict) -> None:
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != neutral and value not in ([], {}, ""):
+        if value is not None and value != neutral and value not in ([], {}, "", {"type": "text"}):
             raise InvalidArgument(name, f"not supported (only {neutral!r})")
 
 

@@ -44,7 +44,8 @@ def test_completion_prompt_forms_and_defaults():
     assert list(completion_request({"prompt": [5, 6, 7]}).token_ids.ids) == [5, 6, 7]
     assert list(completion_request({"prompt": [[5, 6]]}).token_ids.ids) == [5, 6]
     assert completion_request({"prompt": ["one"]}).text == "one"
-    req = completion_request({"prompt": "x", "top_k": -1, "stop": None})
+    req = completion_request({"prompt": "x", "top_k": -1, "stop": None, "response_format": {"type": "text"},
+                              "logit_bias": {}, "presence_penalty": 0.0})
     for field in ("temperature", "top_p", "top_k", "seed"):
         assert not req.sampling.HasField(field), field  # unset: the server's default (greedy), as over gRPC
     assert not req.stopping.HasField("max_new_tokens") and not req.return_logprobs
@@ -73,6 +74,7 @@ def test_completion_prompt_forms_and_defaults():
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_completion_refusals_name_the_parameter(body, param):
     with pytest.raises(InvalidArgument) as e:
