@@ -7,8 +7,9 @@ Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_to
 `tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. Parameters that would change the
-target's distribution and are not implemented (penalties, logit bias, n > 1, forced tool choice) are refused
-by name rather than ignored.
+target's distribution and are not implemented (penalties, logit bias, n > 1, forced tool choice, JSON
+response_format) are refused by name rather than ignored. `logprobs` (completions: n alternatives) and
+`top_logprobs` (chat) come from the verifier, up to 20 alternatives.
 """
 
 from __future__ import annotations
@@ -110,10 +111,9 @@ def completion_request(body: dict) -> pb.GenerateRequest:
         raise InvalidArgument("prompt", "one prompt per request (batches are not supported)")
     else:
         raise InvalidArgument("prompt", "must be a string or a non-empty list of token ids")
-    logprobs = _int(body, "logprobs")
-    if logprobs is not None and logprobs != 0:
-        raise InvalidArgument("logprobs", "only 0 is supported (the sampled token's logprob, no alternatives)")
+    logprobs = _int(body, "logprobs")  # n: the sampled token's logprob and the n most likely at its position
     req.return_logprobs = logprobs is not None
+    req.top_logprobs = logprobs or 0
     _sampling_and_stopping(body, req)
     return req
 
@@ -181,10 +181,8 @@ def chat_request(body: dict) -> pb.GenerateRequest:
         value = _get(kwargs, key, bool, "a boolean", parent="chat_template_kwargs.")
         if value is not None:
             setattr(req.chat, key, value)
-    top = _int(body, "top_logprobs")
-    if top:
-        raise InvalidArgument("top_logprobs", "only 0 is supported (the sampled token's logprob, no alternatives)")
     req.return_logprobs = _get(body, "logprobs", bool, "a boolean", False)
+    req.top_logprobs = _int(body, "top_logprobs") or 0
     _sampling_and_stopping(body, req)
     return req
 
@@ -202,7 +200,7 @@ def openai_param(field: str, body: dict, chat: bool) -> str:
     renames = (("sampling.", ""), ("stopping.max_new_tokens", max_tokens), ("stopping.", ""),
                ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"),
                ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),
-               ("request_id", "x-request-id"))
+               ("request_id", "x-request-id"), ("top_logprobs", "top_logprobs" if chat else "logprobs"))
     for old, new in renames:
         if field.startswith(old):
             return new + field[len(old):]

@@ -36,18 +36,28 @@ class OpenAIResponse:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
+    def _entry(self, token: int, logprob: float) -> dict:
+        return {"token": self.tok.decode([token]), "logprob": logprob, "bytes": list(self.tok.token_bytes(token))}
+
     def _logprobs(self, chunk: pb.Chunk) -> dict | None:
+        """Chat: `content` entries, each with its `top_logprobs`; completions: tokens, token_logprobs,
+        top_logprobs (one {token: logprob} per token, None without alternatives) and text_offset."""
         if not self.logprobs:
             return None
+        tops = list(chunk.top_logprobs) or [None] * len(chunk.token_ids)
         if self.chat:
-            return {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.token_bytes(t)),
-                                 "top_logprobs": []} for t, lp in zip(chunk.token_ids, chunk.logprobs)]}
+            return {"content": [{**self._entry(t, lp), "top_logprobs": [] if top is None else [
+                self._entry(i, v) for i, v in zip(top.token_ids, top.logprobs)]}
+                for t, lp, top in zip(chunk.token_ids, chunk.logprobs, tops)]}
         tokens = [self.tok.decode([t]) for t in chunk.token_ids]
         offsets = []
         for s in tokens:
             offsets.append(self.offset)
             self.offset += len(s)
-        return {"tokens": tokens, "token_logprobs": list(chunk.logprobs), "top_logprobs": None, "text_offset": offsets}
+        alternatives = None if not chunk.top_logprobs else [
+            {self.tok.decode([i]): v for i, v in zip(top.token_ids, top.logprobs)} for top in chunk.top_logprobs]
+        return {"tokens": tokens, "token_logprobs": list(chunk.logprobs), "top_logprobs": alternatives,
+                "text_offset": offsets}
 
     def _tool_calls(self, chunk: pb.Chunk) -> list[dict]:
         """The chunk's calls in OpenAI's shape, numbered across the response (`index`)."""
@@ -128,6 +138,7 @@ class OpenAIResponse:
             logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}
         elif self.logprobs:
             logprobs = {k: [x for lp in self.lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
-            logprobs["top_logprobs"] = None
+            tops = [x for lp in self.lps for x in lp["top_logprobs"] or []]
+            logprobs["top_logprobs"] = tops or None
         return self._envelope([{"index": 0, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
                               **self._usage_and_stats(self.final))

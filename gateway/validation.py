@@ -15,6 +15,7 @@ from gateway.tokenizer import KimiTokenizer
 from service_kit.errors import InvalidArgument
 
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the verifier checks the same)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,10 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     check_sampling(req.sampling)
     max_new = check_stopping(req.stopping, limits)
     check_speculation(req.speculation, limits)
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.top_logprobs and not req.return_logprobs:
+        raise InvalidArgument("top_logprobs", "needs return_logprobs")
     ids = prompt_ids(req, tok)
     chat = req.WhichOneof("input") == "chat"
     if not ids:
@@ -136,6 +141,6 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
-            return_logprobs=req.return_logprobs),
+            return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs),
         stops=tuple(req.stopping.stop), think=tok.think_tokens if chat else None,
         tools=tok.tool_call_tokens if chat else None)

@@ -54,10 +54,16 @@ def test_greedy_equals_ar(idle, ar_refs, mode, budget):
 
 def test_ar_mode_equals_in_process_recompute(idle, ar_refs, tiny_ckpt):
     """The served AR path (chunked prefill, paged cache, one row per step) against an independent
-    greedy loop in this process that re-runs the whole sequence through the model every token."""
+    greedy loop in this process that re-runs the whole sequence through the model every token; and the
+    served DDTree stream's top-5 logprobs (tree rows) against that loop's log-softmax."""
     import torch
     from model_fixtures import load_model, new_cache, one_thread, prefill
 
+    req = gen_request(PROMPTS[2], N, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    req.return_logprobs, req.top_logprobs = True, 5
+    tops = [top for msg in idle.generation.Generate(req, timeout=120) if msg.HasField("chunk")
+            for top in msg.chunk.top_logprobs]  # DDTree: tree rows' top-5, against AR recomputed here
+    assert len(tops) == N
     with one_thread():
         model = load_model(tiny_ckpt)
         for i in (2,):  # 45 tokens: two prefill chunks of 32, pages of 16
@@ -71,6 +77,10 @@ def test_ar_mode_equals_in_process_recompute(idle, ar_refs, tiny_ckpt):
                     assert gap < 1e-4, (f"prompt {i}, token {k}: served {ar_refs[i].ids[k]}, "
                                         f"reference {token} (gap {gap:.2e})")
                     break  # a numerical tie: the rest may diverge legitimately
+                want = torch.log_softmax(logits.float(), -1).topk(5)
+                assert list(tops[k].token_ids)[:1] == [token], k
+                torch.testing.assert_close(torch.tensor(list(tops[k].logprobs)), want.values, atol=1e-3, rtol=0,
+                                           msg=f"token {k}: top-5 logprobs")
                 seq.append(token)
 
 
@@ -166,6 +176,8 @@ def _bad(**changes):
                 req.stopping.max_new_tokens = value(info) if callable(value) else value
             elif key == "tree_budget":
                 req.speculation.tree_budget = value(info) if callable(value) else value
+            elif key == "top_logprobs":
+                req.return_logprobs, req.top_logprobs = value
         return req
     return build
 
@@ -201,6 +213,9 @@ BAD_INPUT = {
     "prompt beyond the context": (_bad(input=_ids(lambda i: [9] * (i.max_context_length + 10))), "input"),
     "tree_budget 0": (_bad(tree_budget=0), "speculation.tree_budget"),
     "tree_budget above limit": (_bad(tree_budget=lambda i: i.max_tree_budget + 1), "speculation.tree_budget"),
+    "top_logprobs 21": (_bad(top_logprobs=(True, 21)), "top_logprobs"),
+    "top_logprobs -1": (_bad(top_logprobs=(True, -1)), "top_logprobs"),
+    "top_logprobs without logprobs": (_bad(top_logprobs=(False, 3)), "top_logprobs"),
 }
 
 

@@ -136,17 +136,23 @@ def test_chat_with_tools_and_tool_turns(idle, client):
 
 
 def test_completions_token_ids_with_logprobs_equal_grpc(idle, client):
-    req = pb.GenerateRequest(return_logprobs=True)
+    """Logprobs and top-3 alternatives of DDTree over HTTP against AR over gRPC (the same target distributions)."""
+    req = pb.GenerateRequest(return_logprobs=True, top_logprobs=3)
     req.token_ids.ids.extend(PROMPTS[2])
     ref = grpc_ar(idle, req)
-    ref_lps = [lp for msg in _Authed(idle.generation).Generate(req, 60) if msg.HasField("chunk")
-               for lp in msg.chunk.logprobs]
-    r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=N, logprobs=0,
+    chunks = [msg.chunk for msg in _Authed(idle.generation).Generate(req, 60) if msg.HasField("chunk")]
+    ref_lps = [lp for c in chunks for lp in c.logprobs]
+    ref_tops = [list(top.logprobs) for c in chunks for top in c.top_logprobs]
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=N, logprobs=3,
                                   extra_body=DDTREE)
     choice = r.choices[0]
     assert choice.text == ref.text and r.usage.completion_tokens == len(ref.ids) == N
     assert len(choice.logprobs.tokens) == N
     assert choice.logprobs.token_logprobs == pytest.approx(ref_lps, abs=1e-4)  # AR vs tree rows: same target
+    tops = choice.logprobs.top_logprobs
+    assert len(tops) == N and all(len(t) == 3 for t in tops)
+    assert [sorted(t.values(), reverse=True) for t in tops] == [pytest.approx(v, abs=1e-4) for v in ref_tops]
+    assert all(max(t.values()) == pytest.approx(lp, abs=1e-6) for t, lp in zip(tops, choice.logprobs.token_logprobs))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

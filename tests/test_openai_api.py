@@ -40,6 +40,13 @@ def test_completion_fields_land_in_the_proto():
     assert req.speculation.mode == pb.SPEC_MODE_CHAIN and req.speculation.tree_budget == 4
 
 
+def test_top_logprobs_fields():
+    req = completion_request({"prompt": "x", "logprobs": 5})
+    assert req.return_logprobs and req.top_logprobs == 5
+    req = chat_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3})
+    assert req.return_logprobs and req.top_logprobs == 3
+
+
 def test_completion_prompt_forms_and_defaults():
     assert list(completion_request({"prompt": [5, 6, 7]}).token_ids.ids) == [5, 6, 7]
     assert list(completion_request({"prompt": [[5, 6]]}).token_ids.ids) == [5, 6]
@@ -67,7 +74,6 @@ def test_completion_prompt_forms_and_defaults():
     ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "spec_mode": "eagle"}, "spec_mode"),
-    ({"prompt": "x", "logprobs": 5}, "logprobs"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
@@ -142,6 +148,26 @@ def test_streamed_tool_calls_and_finish_reason(tok):
     assert plain.response()["choices"][0]["message"]["tool_calls"] is None
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_top_logprobs_shapes(tok, chat):
+    a, b = tok.encode(" there")[0], tok.encode(" world")[0]
+    sa, sb = tok.decode([a]), tok.decode([b])
+    tops = [pb.TopLogprobs(token_ids=[a, b], logprobs=[-0.5, -2.5]),
+            pb.TopLogprobs(token_ids=[b, a], logprobs=[-0.25, -1.5])]
+    msgs = [pb.GenerateResponse(chunk=pb.Chunk(token_ids=[a, b], text=sa + sb, logprobs=[-0.5, -0.25],
+                                               top_logprobs=tops)),
+            pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage()))]
+    out = OpenAIResponse(chat, "r", "m", tok, logprobs=True, include_usage=False)
+    for m in msgs:
+        out.add(m)
+    lp = out.response()["choices"][0]["logprobs"]
+    if chat:
+        assert [(e["token"], e["logprob"]) for e in lp["content"][0]["top_logprobs"]] == [(sa, -0.5), (sb, -2.5)]
+        assert bytes(lp["content"][1]["top_logprobs"][1]["bytes"]) == tok.token_bytes(a)
+    else:
+        assert lp["top_logprobs"] == [{sa: -0.5, sb: -2.5}, {sb: -0.25, sa: -1.5}]
+
+
 def test_stream_flags():
     assert stream_flags({}) == (False, False)
     assert stream_flags({"stream": True, "stream_options": {"include_usage": True}}) == (True, True)
@@ -194,7 +220,6 @@ def test_preserve_thinking_reaches_the_template(tok):
      "chat_template_kwargs.mode"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "no"}},
      "chat_template_kwargs.thinking"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval", "function": {}}]}, "tools[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
@@ -217,6 +242,9 @@ def test_chat_refusals_name_the_parameter(body, param):
     ({"prompt": [1, 2, 5000]}, False, "prompt[2]"),
     ({"prompt": "x" * 400}, False, "prompt"),
     ({"messages": [{"role": "robot", "content": "x"}]}, True, "messages[0].role"),
+    ({"prompt": "x", "logprobs": 21}, False, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, True, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, True, "top_logprobs"),
 ])
 def test_validation_errors_carry_openai_names(tok, body, chat, param):
     """The shared validation (gateway/validation.py) names proto paths; the HTTP client sees its own names."""

@@ -25,7 +25,7 @@ from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
-from verifier_service.stepping import accept_session, fetch_outputs, first_token
+from verifier_service.stepping import accept_session, fetch_outputs, first_token, top_logprobs
 
 log = get_logger("verifier.engine")
 # A step's feature rows are read back whole (with the argmax, one sync) up to this size; above it only
@@ -237,7 +237,8 @@ class Engine:
                         logprob = host.logprobs[lr.start] if s.params.return_logprobs else 0.0
                     else:
                         token, logprob = first_token(s, out.logits[lr.start])
-                    emits.append((s, [token], [logprob], 0))
+                    tops = top_logprobs(out.logits[lr.start:lr.start + 1], [0], s.params.top_logprobs)
+                    emits.append((s, [token], [logprob], tops, 0))
                 continue
             position = self.table.length(s.id)
             walk, logprobs = accept_session(
@@ -250,9 +251,10 @@ class Engine:
             drafted = len(job["tokens"])
             s.stats.record(len(walk.accepted_rows) - 1, drafted)
             metrics.observe_acceptance(len(walk.accepted_rows), drafted)
-            emits.append((s, walk.tokens, logprobs, 1))
+            emits.append((s, walk.tokens, logprobs, top_logprobs(out.logits[lr], walk.accepted_rows,
+                                                                 s.params.top_logprobs), 1))
         kept = self._kept_features(keep, out.hidden, host.hidden) if keep else []
-        ends = [(s, *self._settle(s, tokens), logprobs, steps) for s, tokens, logprobs, steps in emits]
+        ends = [(s, *self._settle(s, tokens), logprobs, tops, steps) for s, tokens, logprobs, tops, steps in emits]
         if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
             ready = [s for s, _, reason, *_ in ends if reason is None]
             chunked = [job["s"] for job in live if job["kind"] == "prefill" and not job["logit_rows"]
@@ -266,8 +268,8 @@ class Engine:
                 s.features.append(position, rows)  # raises unless the ring ends at `position`
         if commits:
             self.cache.commit_many(commits)
-        for s, kept, reason, stop_id, logprobs, steps in ends:
-            self._publish(s, kept, reason, stop_id, logprobs, steps)
+        for s, kept, reason, stop_id, logprobs, tops, steps in ends:
+            self._publish(s, kept, reason, stop_id, logprobs, tops, steps)
 
     @staticmethod
     def _kept_features(keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> list:
@@ -292,10 +294,11 @@ class Engine:
             s.pending = tokens[-1]
         return kept, reason, stop_id
 
-    def _publish(self, s: Session, kept: list[int], reason, stop_id, logprobs: list[float], steps: int) -> None:
+    def _publish(self, s: Session, kept: list[int], reason, stop_id, logprobs: list[float], tops: list,
+                 steps: int) -> None:
         lp = logprobs[: len(kept)] if s.params.return_logprobs else []
         if kept or reason is None:
-            s.emit(Emission(kept, lp, steps))
+            s.emit(Emission(kept, lp, steps, top_logprobs=tops[: len(kept)]))
         if reason is not None:
             self._finish(s, Emission([], [], 0, finish_reason=reason, matched_stop_token_id=stop_id))
 

@@ -10,6 +10,7 @@ from service_kit.errors import InvalidArgument
 from verifier_service.session import AR, CHAIN, DDTREE, GenParams
 
 _MODES = {pb.SPEC_MODE_AR: AR, pb.SPEC_MODE_CHAIN: CHAIN, pb.SPEC_MODE_DDTREE: DDTREE}
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
@@ -37,9 +38,17 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
         raise InvalidArgument("speculation.mode", f"unknown mode {sp.mode}")
     if sp.HasField("tree_budget") and not 1 <= sp.tree_budget <= config.max_tree_budget:
         raise InvalidArgument("speculation.tree_budget", f"must be in [1, {config.max_tree_budget}], got {sp.tree_budget}")
+    check_top_logprobs(req.top_logprobs, req.return_logprobs, "top_logprobs")
     bad = next((t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
         raise InvalidArgument("stop_token_ids", f"{bad} is outside [0, {cfg.vocab_size})")
+
+
+def check_top_logprobs(n: int, return_logprobs: bool, field: str) -> None:
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(field, f"must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
+    if n and not return_logprobs:
+        raise InvalidArgument(field, "needs return_logprobs")
 
 
 def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
@@ -53,4 +62,4 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         stop_token_ids=frozenset(req.stop_token_ids), ignore_eos=req.ignore_eos,
         mode=_MODES.get(sp.mode, config.default_mode),
         tree_budget=sp.tree_budget if sp.HasField("tree_budget") else config.default_tree_budget,
-        return_logprobs=req.return_logprobs)
+        return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs)

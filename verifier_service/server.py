@@ -11,7 +11,6 @@ import time
 import grpc
 
 from ddtree.internal.v1 import drafter_pb2 as dpb
-from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.internal.v1 import verifier_pb2_grpc as vpb_grpc
 from ddtree.v1 import generation_pb2 as pb
@@ -56,7 +55,8 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
                     yield vpb.VerifierGenerateResponse(final=_final(session, e, self.engine.block_size))
                     return
                 yield vpb.VerifierGenerateResponse(chunk=vpb.TokenChunk(
-                    token_ids=e.token_ids, logprobs=e.logprobs, num_verify_steps=e.verify_steps))
+                    token_ids=e.token_ids, logprobs=e.logprobs, num_verify_steps=e.verify_steps,
+                    top_logprobs=[pb.TopLogprobs(token_ids=i, logprobs=v) for i, v in e.top_logprobs]))
         finally:
             if not session.finished:
                 self.engine.cancel(session.id)  # client gone or deadline: free pages within one step

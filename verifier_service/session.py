@@ -26,6 +26,7 @@ class GenParams:
     mode: str = DDTREE
     tree_budget: int = 16
     return_logprobs: bool = False
+    top_logprobs: int = 0  # with return_logprobs: the n most likely tokens at each emitted position
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +44,7 @@ class Emission:
     matched_stop_token_id: int | None = None
     error: str | None = None  # the generation failed (finish_reason is then FINISH_REASON_UNSPECIFIED)
     error_code: str = "INTERNAL"  # grpc.StatusCode name for `error`
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token: (ids, logprobs)
 
 
 class FeatureRing:

@@ -67,6 +67,15 @@ def accept_session(s: Session, tokens: list[int], parents: list[int], logits: to
     return walk, logprobs
 
 
+def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[list[int], list[float]]]:
+    """logits [R, V] -> for each of `rows`, its k most likely token ids and their log-softmax (raw logits, as the
+    emitted tokens' logprobs), most likely first. One device op and one read, only for sessions that ask."""
+    if not k or not rows:
+        return []
+    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
 def first_token(s: Session, logits: torch.Tensor) -> tuple[int, float]:
     """The token after the prompt, from the prefill's last row (output index 0)."""
     token = target_tokens(s, logits.unsqueeze(0), [0])[0]
