@@ -8,6 +8,7 @@ import time
 from google.protobuf import json_format
 
 from ddtree.v1 import generation_pb2 as pb
+from gateway.tool_calls import openai_tool_call
 
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
                   pb.FINISH_REASON_CANCELLED: "abort"}
@@ -60,11 +61,11 @@ class OpenAIResponse:
                 "text_offset": offsets}
 
     def _tool_calls(self, chunk: pb.Chunk) -> list[dict]:
-        """The chunk's calls in OpenAI's shape, numbered across the response (`index`)."""
-        new = [{"index": len(self.calls) + k, "id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(chunk.tool_calls)]
+        """The chunk's calls in OpenAI's shape, each stream delta numbered across the response (`index`)."""
+        new = [openai_tool_call(c) for c in chunk.tool_calls]
+        numbered = [{"index": len(self.calls) + k, **call} for k, call in enumerate(new)]
         self.calls += new
-        return new
+        return numbered
 
     def _finish(self, final: pb.Final) -> dict:
         stop = final.matched_stop or (final.matched_stop_token_id if final.HasField("matched_stop_token_id") else None)
@@ -130,9 +131,9 @@ class OpenAIResponse:
         text = "".join(self.texts)
         body = {"text": text}
         if self.chat:
-            calls = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
-            body = {"message": {"role": "assistant", "content": text or (None if calls else ""),
-                                "reasoning_content": "".join(self.reasoning) or None, "tool_calls": calls or None}}
+            body = {"message": {"role": "assistant", "content": text or (None if self.calls else ""),
+                                "reasoning_content": "".join(self.reasoning) or None,
+                                "tool_calls": self.calls or None}}
         logprobs = None
         if self.logprobs and self.chat:
             logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}

@@ -30,6 +30,11 @@ class ToolCallTokens:
     call_end: int
 
 
+def openai_tool_call(call: pb.ToolCall) -> dict:
+    """A call in OpenAI's message shape, as the chat template reads it and the HTTP surface returns it."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def function_name(call_id: str) -> str:
     """Kimi's call ids read "functions.{name}:{index}"; any other id is taken as the name."""
     name = call_id.removeprefix("functions.")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.v1 import generation_pb2 as pb
 from gateway.reasoning import ThinkTokens
-from gateway.tool_calls import ToolCallTokens
+from gateway.tool_calls import ToolCallTokens, openai_tool_call
 from gateway.tokenizer import KimiTokenizer
 from service_kit.errors import InvalidArgument
 
@@ -75,8 +75,7 @@ def _message(m: pb.ChatMessage) -> dict:
     """A turn as the chat template reads it: OpenAI's message shape, optional fields only when set."""
     message = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        message["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        message["tool_calls"] = [openai_tool_call(c) for c in m.tool_calls]
     for name in ("tool_call_id", "name", "reasoning_content"):
         if getattr(m, name):
             message[name] = getattr(m, name)
