@@ -83,10 +83,13 @@ class Handlers:
         ok = self.lifecycle.serving and not self.lifecycle.draining
         return web.Response(status=200 if ok else 503, text="ok" if ok else "not serving")
 
-    def _model_name(self) -> str:
+    def _info(self):
         if self.gateway.info is None:
             raise Unavailable("gateway is not connected to a verifier yet")
-        return self.gateway.config.served_model_name or self.gateway.info.model_name
+        return self.gateway.info
+
+    def _model_name(self) -> str:
+        return self.gateway.config.served_model_name or self._info().model_name
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=prometheus_client.generate_latest(),
@@ -96,7 +99,7 @@ class Handlers:
         name = self._model_name()
         return web.json_response({"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "ddtree-serve",
-            "max_model_len": self._max_model_len()}]})
+            "max_model_len": self._info().max_context_length}]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: `prompt` (text or ids) or `messages` (through the chat template, tools included),
@@ -104,11 +107,9 @@ class Handlers:
         body = await _json_object(request)
         chat = "messages" in body
         req = chat_request(body) if chat else completion_request(body)
-        try:
+        with _openai_names(body, chat):
             ids = prompt_ids(req, self.gateway.tokenizer)
-        except InvalidArgument as e:
-            raise InvalidArgument(openai_param(e.field, body, chat), e.detail) from e
-        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self._max_model_len()})
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self._info().max_context_length})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: `tokens` (ids) → `prompt` (text, special tokens kept)."""
@@ -120,10 +121,6 @@ class Handlers:
         if bad is not None:
             raise InvalidArgument(f"tokens[{bad}]", f"{ids[bad]} is outside [0, {vocab})")
         return web.json_response({"prompt": self.gateway.tokenizer.decode(ids)})
-
-    def _max_model_len(self) -> int:
-        self._model_name()  # Unavailable before the verifier's info
-        return self.gateway.info.max_context_length
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -140,11 +137,8 @@ class Handlers:
         req = chat_request(body) if chat else completion_request(body)
         stream, usage = stream_flags(body)
         req.request_id = request.headers.get("X-Request-Id", "")
-        try:
+        with _openai_names(body, chat):
             job = to_job(req, self.gateway.tokenizer, self.gateway.require_limits())
-        except InvalidArgument as e:
-            field = openai_param(e.field, body, chat)
-            raise InvalidArgument(field, e.detail) from e
         if self.lifecycle.draining:
             raise Unavailable("server is draining")
         out = OpenAIResponse(chat, job.request.request_id, model, self.gateway.tokenizer, req.return_logprobs, usage)
@@ -168,6 +162,15 @@ async def _respond(request: web.Request, out: OpenAIResponse, generation, stream
         async for msg in msgs:
             out.add(msg)
         return web.json_response(out.response(), headers={"X-Request-Id": out.request_id})
+
+
+@contextlib.contextmanager
+def _openai_names(body: dict, chat: bool):
+    """The shared validation names proto fields; the HTTP client is told the parameter it sent."""
+    try:
+        yield
+    except InvalidArgument as e:
+        raise InvalidArgument(openai_param(e.field, body, chat), e.detail) from e
 
 
 async def _json_object(request: web.Request) -> dict:
