@@ -38,17 +38,13 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
         raise InvalidArgument("speculation.mode", f"unknown mode {sp.mode}")
     if sp.HasField("tree_budget") and not 1 <= sp.tree_budget <= config.max_tree_budget:
         raise InvalidArgument("speculation.tree_budget", f"must be in [1, {config.max_tree_budget}], got {sp.tree_budget}")
-    check_top_logprobs(req.top_logprobs, req.return_logprobs, "top_logprobs")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.top_logprobs and not req.return_logprobs:
+        raise InvalidArgument("top_logprobs", "needs return_logprobs")
     bad = next((t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
         raise InvalidArgument("stop_token_ids", f"{bad} is outside [0, {cfg.vocab_size})")
-
-
-def check_top_logprobs(n: int, return_logprobs: bool, field: str) -> None:
-    if not 0 <= n <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(field, f"must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
-    if n and not return_logprobs:
-        raise InvalidArgument(field, "needs return_logprobs")
 
 
 def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
