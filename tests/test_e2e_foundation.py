@@ -140,6 +140,11 @@ def test_malformed_requests_get_invalid_argument(served):
     e = _invalid(lambda: list(served.verifier.Generate(
         vpb.VerifierGenerateRequest(request_id="foundation-empty", prompt_ids=[]), timeout=10)))
     assert "prompt_ids" in e.details()
+    for top, with_logprobs in ((21, True), (3, False)):  # the verifier checks top_logprobs itself too
+        e = _invalid(lambda: list(served.verifier.Generate(vpb.VerifierGenerateRequest(
+            request_id="foundation-top", prompt_ids=[5], return_logprobs=with_logprobs, top_logprobs=top),
+            timeout=10)))
+        assert "top_logprobs" in e.details()
     ok = list(served.verifier.Generate(vpb.VerifierGenerateRequest(request_id="foundation-ok", prompt_ids=[5, 6],
                                                                    max_new_tokens=3), timeout=30))
     assert ok[-1].final.completion_tokens == 3

@@ -186,6 +186,13 @@ def _text(text):
     return lambda req, info: setattr(req, "text", text)
 
 
+def _chat_tools(tools_json):
+    def set_chat(req, info):
+        req.chat.messages.add(role="user", content="hi")
+        req.chat.tools_json = tools_json
+    return set_chat
+
+
 def _ids(make):
     def set_ids(req, info):
         req.token_ids.SetInParent()
@@ -213,6 +220,8 @@ BAD_INPUT = {
     "prompt beyond the context": (_bad(input=_ids(lambda i: [9] * (i.max_context_length + 10))), "input"),
     "tree_budget 0": (_bad(tree_budget=0), "speculation.tree_budget"),
     "tree_budget above limit": (_bad(tree_budget=lambda i: i.max_tree_budget + 1), "speculation.tree_budget"),
+    "tools_json not JSON": (_bad(input=_chat_tools("[{")), "chat.tools_json"),
+    "tools_json not a list": (_bad(input=_chat_tools('{"type": "function"}')), "chat.tools_json"),
     "top_logprobs 21": (_bad(top_logprobs=(True, 21)), "top_logprobs"),
     "top_logprobs -1": (_bad(top_logprobs=(True, -1)), "top_logprobs"),
     "top_logprobs without logprobs": (_bad(top_logprobs=(False, 3)), "top_logprobs"),
