@@ -6,9 +6,10 @@ Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_to
 `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
 `tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
-"tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. Parameters that would change the
-target's distribution and are not implemented (penalties, logit bias, n > 1, forced tool choice, JSON
-response_format) are refused by name rather than ignored. `logprobs` (completions: n alternatives) and
+"tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. `presence_penalty`,
+`frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) change the target's distribution on
+the verifier, exactly as plain decoding would. Parameters that are not implemented (n > 1, forced tool choice,
+JSON response_format) are refused by name rather than ignored. `logprobs` (completions: n alternatives) and
 `top_logprobs` (chat) come from the verifier, up to 20 alternatives.
 """
 
@@ -23,8 +24,7 @@ from service_kit.errors import InvalidArgument
 SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
 # Refused unless at their no-op value (or empty; response_format {"type": "text"} is plain text, the default):
 # each would change what is sampled, or how many answers come back.
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
-               "repetition_penalty": 1, "logit_bias": None, "functions": None, "response_format": None}
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "functions": None, "response_format": None}
 CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatMessages' fields of these names
 INT32 = 2**31
 
@@ -56,10 +56,11 @@ def _check_unsupported(body: dict) -> None:
 def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     """The parameters chat and completions share, into `req`."""
     _check_unsupported(body)
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = _get(body, name, (int, float), "a number")
         if value is not None:
             setattr(req.sampling, name, value)
+    _logit_bias(body, req)
     top_k = _int(body, "top_k")
     if top_k is not None and top_k != -1:  # vLLM's spelling of "no top-k"
         req.sampling.top_k = top_k
@@ -82,6 +83,20 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     req.stopping.stop_token_ids.extend(ids)
     req.stopping.ignore_eos = _get(body, "ignore_eos", bool, "a boolean", False)
     _speculation(body, req)
+
+
+def _logit_bias(body: dict, req: pb.GenerateRequest) -> None:
+    """OpenAI's {"token id": bias} (keys are strings in JSON; ints accepted too)."""
+    for key, value in _get(body, "logit_bias", dict, "an object of token id: bias", {}).items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidArgument("logit_bias", f"key {key!r} is not a token id") from None
+        if not -INT32 <= token < INT32:
+            raise InvalidArgument("logit_bias", f"token id {token} is out of range")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"logit_bias[{token}]", f"must be a number, got {type(value).__name__}")
+        req.sampling.logit_bias[token] = value
 
 
 def _speculation(body: dict, req: pb.GenerateRequest) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from gateway.reasoning import ThinkTokens
 from gateway.tool_calls import ToolCallTokens, openai_tool_call
 from gateway.tokenizer import KimiTokenizer
 from service_kit.errors import InvalidArgument
+from service_kit.sampling import check_sampling
 
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the verifier checks the same)
@@ -82,15 +82,6 @@ def _message(m: pb.ChatMessage) -> dict:
     return message
 
 
-def check_sampling(s: pb.SamplingParams) -> None:
-    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
-        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
-    if s.HasField("top_p") and not (0.0 < s.top_p <= 1.0):
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.HasField("top_k") and s.top_k < 0:
-        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {s.top_k}")
-
-
 def check_stopping(st: pb.StoppingCriteria, limits: Limits) -> int:
     max_new = st.max_new_tokens if st.HasField("max_new_tokens") else limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
@@ -118,7 +109,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     """Validates every field; tokenizes; builds the verifier request."""
     if len(req.request_id) > 256:
         raise InvalidArgument("request_id", "longer than 256 characters")
-    check_sampling(req.sampling)
+    check_sampling(req.sampling, limits.vocab_size)
     max_new = check_stopping(req.stopping, limits)
     check_speculation(req.speculation, limits)
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:

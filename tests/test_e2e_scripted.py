@@ -183,3 +183,43 @@ def test_stop_token_and_logprobs_inside_accepted_paths(scripted, drafter):
         assert r.ids == ref_ids[:cut], first_difference(r.ids, ref_ids[:cut])
         assert r.final.finish_reason == pb.FINISH_REASON_STOP and r.final.matched_stop_token_id == stop
     assert drafter.record.violations == []
+
+
+PENALIZED = [dict(presence_penalty=-1.5, frequency_penalty=0.25),  # negative presence: rows echo their own paths
+             dict(presence_penalty=-1.0, repetition_penalty=0.7, logit_bias={7: 4.0, 11: -100.0}),
+             dict(frequency_penalty=-0.8, repetition_penalty=1.3, temperature=1.0, seed=6),
+             dict(presence_penalty=-1.2, temperature=0.8, top_p=0.9, seed=7),
+             dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={3: 2.0})]
+
+
+def _penalized_request(prompt, n, mode, budget, fields):
+    fields = dict(fields)
+    bias = fields.pop("logit_bias", {})
+    penalties = {k: fields.pop(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                 if k in fields}
+    req = gen_request(prompt, n, mode=mode, budget=budget, **fields)
+    for name, value in penalties.items():
+        setattr(req.sampling, name, value)
+    req.sampling.logit_bias.update(bias)
+    return req
+
+
+@pytest.mark.parametrize("mode, budget", [(pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)],
+                         ids=["ddtree16", "chain"])
+def test_penalties_inside_accepted_paths(scripted, drafter, mode, budget):
+    """Bias and penalties with drafts accepted several tokens deep: each tree row is penalized for its own path,
+    so the output (greedy and seeded) equals plain AR's with the same fields, token for token. Negative
+    penalties make the target repeat itself, so a row that ignored its path would choose differently."""
+    st, _ = scripted
+    n = 48
+    refs = [generate(st.generation, _penalized_request(p, n + 8, pb.SPEC_MODE_AR, None, f))
+            for p, f in zip(PROMPTS, PENALIZED)]
+    plain = [generate(st.generation, gen_request(p, n, mode=pb.SPEC_MODE_AR)) for p in PROMPTS[:2]]
+    assert all(r.ids != ref.ids[:n] for r, ref in zip(plain, refs)), "the penalties must change the output"
+    reqs = [_penalized_request(p, n, mode, budget, f) for p, f in zip(PROMPTS, PENALIZED)]
+    for req, ref in zip(reqs, refs):
+        drafter.expect(req.request_id, ref.final.usage.prompt_tokens, ref.ids)
+    got = ok(generate_many(st.generation, reqs))
+    check_same(got, refs, n, f"penalized {pb.SpecMode.Name(mode)}")
+    assert drafter.record.violations == [], drafter.record.violations[:5]
+    assert len(histogram(got)) >= 6, f"long penalized acceptances expected: {histogram(got)}"

@@ -112,6 +112,51 @@ def test_seeded_sampling_reproducible_and_batch_independent(idle):
     assert len({tuple(r.ids) for r in got[:len(SAMPLING)]}) == len(SAMPLING), "seeds must matter"
 
 
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3)
+
+
+def _penalized(req: pb.GenerateRequest, bias: dict[int, float]) -> pb.GenerateRequest:
+    for name, value in PENALTIES.items():
+        setattr(req.sampling, name, value)
+    req.sampling.logit_bias.update(bias)
+    return req
+
+
+def test_penalties_lossless_and_equal_plain_decoding(idle, ar_refs, tiny_ckpt):
+    """Bias and penalties: DDTree and chain give AR's tokens (greedy, and seeded sampling), and AR's greedy
+    tokens are those of an in-process loop that recomputes the whole sequence every token and penalizes its
+    last row with transformers' processor and plain loops (tests/sampling_reference.py)."""
+    import torch
+    from model_fixtures import load_model, new_cache, one_thread, prefill
+    from sampling_reference import reference_penalize
+
+    prompt, n = PROMPTS[2], 40
+    bias = {ar_refs[2].ids[0]: -100.0, ar_refs[2].ids[3]: 2.5}  # ban the unpenalized first token
+    ar = generate(idle.generation, _penalized(gen_request(prompt, n), bias)).ids
+    assert ar != ar_refs[2].ids[:n] and ar[0] != ar_refs[2].ids[0], "the penalties must change the output"
+    for mode, budget in ((pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_DDTREE, 64), (pb.SPEC_MODE_CHAIN, None)):
+        got = generate(idle.generation, _penalized(gen_request(prompt, n, mode=mode, budget=budget), bias)).ids
+        assert got == ar, f"{pb.SpecMode.Name(mode)} {budget}: {first_difference(got, ar)}"
+    sampled = [generate(idle.generation, _penalized(gen_request(prompt, n, mode=mode, budget=16, temperature=1.0,
+                                                                top_p=0.9, seed=5), bias)).ids
+               for mode in (pb.SPEC_MODE_AR, pb.SPEC_MODE_DDTREE)]
+    assert sampled[0] == sampled[1], first_difference(*sampled)
+    with one_thread():
+        model = load_model(tiny_ckpt)
+        seq, out = list(prompt), []
+        for k in range(n):
+            logits = reference_penalize(prefill(model, new_cache(model), "ref", seq).logits[-1], list(prompt), out,
+                                        presence=0.4, frequency=0.3, repetition=1.3, bias=bias)
+            top2 = torch.topk(logits, 2).values
+            token = int(logits.argmax())
+            if token != ar[k]:
+                gap = float(top2[0] - top2[1])
+                assert gap < 1e-4, f"token {k}: served {ar[k]}, reference {token} (gap {gap:.2e})"
+                break  # a numerical tie: the rest may diverge legitimately
+            seq.append(token)
+            out.append(token)
+
+
 @pytest.mark.slow
 def test_sixteen_concurrent_mixed_streams_equal_solo(idle):
     modes = [(pb.SPEC_MODE_AR, None), (pb.SPEC_MODE_CHAIN, None), (pb.SPEC_MODE_DDTREE, 1),
@@ -170,8 +215,11 @@ def _bad(**changes):
         for key, value in changes.items():
             if key == "input":
                 req.ClearField("input") if value is None else value(req, info)
-            elif key in ("temperature", "top_p", "top_k"):
+            elif key in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty"):
                 setattr(req.sampling, key, value)
+            elif key == "logit_bias":
+                req.sampling.logit_bias.update(value(info))
             elif key == "max_new_tokens":
                 req.stopping.max_new_tokens = value(info) if callable(value) else value
             elif key == "tree_budget":
@@ -214,6 +262,11 @@ BAD_INPUT = {
     "top_p 0": (_bad(top_p=0.0), "sampling.top_p"),
     "top_p > 1": (_bad(top_p=1.5), "sampling.top_p"),
     "top_k < 0": (_bad(top_k=-1), "sampling.top_k"),
+    "presence_penalty 3": (_bad(presence_penalty=3.0), "sampling.presence_penalty"),
+    "frequency_penalty nan": (_bad(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+    "repetition_penalty 0": (_bad(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    "logit_bias token = vocab": (_bad(logit_bias=lambda i: {i.vocab_size: 1.0}), "sampling.logit_bias"),
+    "logit_bias value 101": (_bad(logit_bias=lambda i: {3: 101.0}), "sampling.logit_bias[3]"),
     "token id = vocab": (_bad(input=_ids(lambda i: [5, i.vocab_size, 7])), "token_ids.ids[1]"),
     "token id < 0": (_bad(input=_ids(lambda i: [-2])), "token_ids.ids[0]"),
     "prompt fills the context": (_bad(input=_ids(lambda i: [9] * i.max_context_length)), "input"),

@@ -155,6 +155,23 @@ def test_completions_token_ids_with_logprobs_equal_grpc(idle, client):
     assert all(max(t.values()) == pytest.approx(lp, abs=1e-6) for t, lp in zip(tops, choice.logprobs.token_logprobs))
 
 
+def test_completions_penalties_and_logit_bias_equal_grpc(idle, client):
+    """OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition_penalty: DDTree over HTTP gives the
+    tokens of AR over gRPC with the same fields (the penalized target), and they are not the unpenalized ones."""
+    req = pb.GenerateRequest()
+    req.token_ids.ids.extend(PROMPTS[2])
+    plain = grpc_ar(idle, pb.GenerateRequest(token_ids=req.token_ids))
+    bias = {plain.ids[0]: -100.0, plain.ids[2]: 3.0}
+    req.sampling.presence_penalty, req.sampling.frequency_penalty, req.sampling.repetition_penalty = 0.5, 0.25, 1.2
+    req.sampling.logit_bias.update(bias)
+    ref = grpc_ar(idle, req)
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=N,
+                                  presence_penalty=0.5, frequency_penalty=0.25,
+                                  logit_bias={str(k): v for k, v in bias.items()},
+                                  extra_body={**DDTREE, "repetition_penalty": 1.2})
+    assert r.choices[0].text == ref.text and ref.ids != plain.ids
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_stop_string_truncates_like_grpc(idle, client, stream):
     ref = grpc_ar(idle, gen_request(PROMPTS[3], N))

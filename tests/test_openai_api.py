@@ -59,6 +59,19 @@ def test_completion_prompt_forms_and_defaults():
     assert req.speculation.mode == pb.SPEC_MODE_UNSPECIFIED
 
 
+def test_penalties_and_logit_bias_fields(tok):
+    body = {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.25, "logit_bias": {"5": 100, "7": -2.5}}
+    s = chat_request(body).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.25)
+    assert dict(s.logit_bias) == {5: 100.0, 7: -2.5}
+    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
+                       ({"logit_bias": {str(LIMITS_LONG.vocab_size): 1}}, f"logit_bias[{LIMITS_LONG.vocab_size}]")):
+        with pytest.raises(InvalidArgument) as e:
+            to_job(chat_request({**body, **bad}), tok, LIMITS_LONG)
+        assert openai_param(e.value.field, body, chat=True) == param, e.value.message
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -77,9 +90,12 @@ def test_completion_prompt_forms_and_defaults():
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": [5, 100]}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"five": 100}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(2**40): 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "100"}}, "logit_bias[5]"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_completion_refusals_name_the_parameter(body, param):

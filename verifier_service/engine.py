@@ -23,6 +23,7 @@ from service_kit import busy_poll
 from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
+from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
 from verifier_service.stepping import accept_session, fetch_outputs, first_token, top_logprobs
@@ -221,8 +222,9 @@ class Engine:
         greedy = [job for job in live if job["logit_rows"] and job["s"].params.greedy]
         features = out.hidden.shape[-1] > 0 and any(job["s"].features_on for job in live)
         eager = features and out.hidden.numel() * out.hidden.element_size() <= HIDDEN_FETCH_BYTES
-        host = fetch_outputs(out.logits, out.hidden if eager else None, argmax=bool(greedy),
-                             logprobs=any(job["s"].params.return_logprobs for job in greedy))
+        scores = penalized_logits(live, out.logits, self.runner.cfg.vocab_size)  # what the target chooses from
+        host = fetch_outputs(scores, out.hidden if eager else None, argmax=bool(greedy),
+                             logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits)
         commits, keep, emits = [], [], []
         for job in live:
             s, lr = job["s"], job["logits"]
@@ -236,15 +238,16 @@ class Engine:
                         token = host.argmax[lr.start]
                         logprob = host.logprobs[lr.start] if s.params.return_logprobs else 0.0
                     else:
-                        token, logprob = first_token(s, out.logits[lr.start])
+                        token, logprob = first_token(s, scores[lr.start], out.logits[lr.start])
                     tops = top_logprobs(out.logits[lr.start:lr.start + 1], [0], s.params.top_logprobs)
                     emits.append((s, [token], [logprob], tops, 0))
                 continue
             position = self.table.length(s.id)
             walk, logprobs = accept_session(
-                s, job["tokens"], job["parents"], out.logits[lr], self.config.force_accept_depth,
+                s, job["tokens"], job["parents"], scores[lr], self.config.force_accept_depth,
                 argmax=host.argmax[lr] if greedy_rows else None,
-                argmax_logprobs=host.logprobs[lr] if greedy_rows and host.logprobs is not None else None)
+                argmax_logprobs=host.logprobs[lr] if greedy_rows and host.logprobs is not None else None,
+                raw=out.logits[lr])
             commits.append((s.id, walk.accepted_rows))
             if features and s.features_on:
                 keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
@@ -288,6 +291,8 @@ class Engine:
         """A step's tokens → (kept, finish reason or None, stop id); advances the session's counters."""
         kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
         s.emitted += len(kept)
+        if s.penalties is not None:  # made at the session's first penalized row, which this step had
+            s.penalties.add(kept)
         if not s.params.greedy:  # greedy sessions never draw from their uniform stream
             s.rng.advance(len(tokens) if reason is None else len(kept))
         if reason is None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.v1 import generation_pb2 as pb
 from service_kit.errors import InvalidArgument
+from service_kit.sampling import check_sampling
 from verifier_service.session import AR, CHAIN, DDTREE, GenParams
 
 _MODES = {pb.SPEC_MODE_AR: AR, pb.SPEC_MODE_CHAIN: CHAIN, pb.SPEC_MODE_DDTREE: DDTREE}
@@ -26,13 +26,7 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
         raise InvalidArgument("prompt_ids", f"{len(req.prompt_ids)} tokens leave no room in the context of {limit}")
     if not 0 <= req.max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens_limit}] (0 = default)")
-    s = req.sampling
-    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
-        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
-    if s.HasField("top_p") and not 0 < s.top_p <= 1:
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.HasField("top_k") and s.top_k < 0:
-        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {s.top_k}")
+    check_sampling(req.sampling, cfg.vocab_size)
     sp = req.speculation
     if sp.mode not in (pb.SPEC_MODE_UNSPECIFIED, *_MODES):
         raise InvalidArgument("speculation.mode", f"unknown mode {sp.mode}")
@@ -58,4 +52,7 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         stop_token_ids=frozenset(req.stop_token_ids), ignore_eos=req.ignore_eos,
         mode=_MODES.get(sp.mode, config.default_mode),
         tree_budget=sp.tree_budget if sp.HasField("tree_budget") else config.default_tree_budget,
-        return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs)
+        return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(s.logit_bias.items())))

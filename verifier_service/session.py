@@ -27,10 +27,19 @@ class GenParams:
     tree_budget: int = 16
     return_logprobs: bool = False
     top_logprobs: int = 0  # with return_logprobs: the n most likely tokens at each emitted position
+    presence_penalty: float = 0.0  # these four: verifier_service/penalties.py
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -145,6 +154,7 @@ class Session:
     cancelled: bool = False
     finished: bool = False
     stats: SpecCounters = field(default_factory=SpecCounters)
+    penalties: object | None = None  # penalties.Penalties, made at the first penalized step
 
     def __post_init__(self):
         self.rng = SessionRng(self.params.seed)

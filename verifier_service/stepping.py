@@ -24,11 +24,14 @@ class HostOutputs:
     hidden: torch.Tensor | None  # host copy of every row's features
 
 
-def fetch_outputs(logits: torch.Tensor, hidden: torch.Tensor | None, *, argmax: bool, logprobs: bool) -> HostOutputs:
-    """logits [Rl, V] (device) -> argmax per row (and its log-softmax, with `logprobs`), plus a host copy
-    of `hidden` (if given): one device op each, non-blocking copies into pinned memory, one sync."""
+def fetch_outputs(logits: torch.Tensor, hidden: torch.Tensor | None, *, argmax: bool, logprobs: bool,
+                  raw: torch.Tensor | None = None) -> HostOutputs:
+    """logits [Rl, V] (device) -> argmax per row (and the log-softmax of `raw`, the model's own logits when
+    `logits` are penalized, at it, with `logprobs`), plus a host copy of `hidden` (if given): one device op
+    each, non-blocking copies into pinned memory, one sync."""
     top = logits.argmax(-1) if argmax or logprobs else None
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1) if logprobs else None
+    raw = logits if raw is None else raw
+    lp = torch.log_softmax(raw, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1) if logprobs else None
     if logits.device.type != "cpu":
         top, lp, hidden = (None if t is None else t.to("cpu", non_blocking=True) for t in (top, lp, hidden))
         torch.cuda.current_stream(logits.device).synchronize()
@@ -48,8 +51,10 @@ def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[i
 
 def accept_session(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor,
                    force_depth: int = 0, *, argmax: list[int] | None = None,
-                   argmax_logprobs: list[float] | None = None) -> tuple[Walk, list[float]]:
-    """logits [N+1, V] for rows [root, nodes…] → the walk and the logprob of each emitted token.
+                   argmax_logprobs: list[float] | None = None,
+                   raw: torch.Tensor | None = None) -> tuple[Walk, list[float]]:
+    """logits [N+1, V] for rows [root, nodes…] → the walk and the logprob of each emitted token (under
+    `raw`, the model's own logits when `logits` are penalized).
     force_depth > 0: the TEST ONLY forced walk (acceptance.forced_walk), not the target's choice.
     Greedy sessions may pass the rows' argmax (and its logprob, per row) already on the host."""
     greedy = s.params.greedy
@@ -62,7 +67,7 @@ def accept_session(s: Session, tokens: list[int], parents: list[int], logits: to
         if greedy and not force_depth and argmax_logprobs is not None:  # emitted = each row's argmax
             logprobs = [argmax_logprobs[r] for r in rows]
         else:
-            lsm = torch.log_softmax(logits[rows], dim=-1)  # [k+1, V]
+            lsm = torch.log_softmax((logits if raw is None else raw)[rows], dim=-1)  # [k+1, V]
             logprobs = lsm.gather(-1, torch.tensor(walk.tokens, device=lsm.device).unsqueeze(-1)).squeeze(-1).tolist()
     return walk, logprobs
 
@@ -76,8 +81,9 @@ def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[li
     return list(zip(ids.tolist(), values.tolist()))
 
 
-def first_token(s: Session, logits: torch.Tensor) -> tuple[int, float]:
-    """The token after the prompt, from the prefill's last row (output index 0)."""
+def first_token(s: Session, logits: torch.Tensor, raw: torch.Tensor | None = None) -> tuple[int, float]:
+    """The token after the prompt, from the prefill's last row (output index 0); its logprob under `raw`."""
     token = target_tokens(s, logits.unsqueeze(0), [0])[0]
-    logprob = float(torch.log_softmax(logits, dim=-1)[token]) if s.params.return_logprobs else 0.0
+    raw = logits if raw is None else raw
+    logprob = float(torch.log_softmax(raw, dim=-1)[token]) if s.params.return_logprobs else 0.0
     return token, logprob

@@ -1,0 +1,92 @@
+"""Logit bias and repetition / frequency / presence penalties, applied to a session's verified rows.
+
+They change the target distribution itself, so speculation must apply them per row: a tree row at depth d
+predicts the token after its own context, the tokens emitted so far plus the d drafted tokens on its path from
+the root (the root is the pending token, already emitted and counted). Each row is penalized for exactly that
+context, so the walk picks what plain autoregressive decoding with the same parameters picks, token by token.
+
+vLLM's order and formulas (the reference of the tests is transformers' processors and a plain loop):
+    logits[t] += logit_bias[t]
+    seen(t) = t in the prompt or in the row's output context
+    logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep      where seen(t)
+    logits[t] -= frequency · count(t) + presence · [count(t) > 0]          count over the output context only
+Temperature, top-k and top-p come after (acceptance.filter_probs). Emitted logprobs stay the raw model's.
+The drafter does not see them: drafts only lose acceptance where the penalties move the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verifier_service.session import GenParams, Session
+
+
+class Penalties:
+    """One session's bias and penalties, with its output token counts on the logits' device (fp32 [V])."""
+
+    def __init__(self, params: GenParams, prompt: list[int], vocab_size: int, device: torch.device):
+        self.params = params
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.in_prompt = None
+        if params.repetition_penalty != 1.0:
+            self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.in_prompt[torch.tensor(prompt, device=device)] = True
+        ids, values = zip(*params.logit_bias) if params.logit_bias else ((), ())
+        self.bias_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+
+    def add(self, tokens: list[int]) -> None:
+        """Tokens just emitted (they join every later row's output context)."""
+        if tokens:
+            self.counts.index_add_(0, torch.tensor(tokens, device=self.counts.device),
+                                   torch.ones(len(tokens), device=self.counts.device))
+
+    def apply(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """logits [R, V] of rows whose drafted path tokens (root excluded) are `paths` -> new fp32 [R, V]."""
+        p, (R, V) = self.params, logits.shape
+        x = logits.float().clone()
+        if self.bias_ids.numel():
+            x[:, self.bias_ids] += self.bias_values
+        if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
+            return x
+        counts = self.counts.expand(R, V).clone()  # [R, V]: output so far, plus each row's path below
+        longest = max(map(len, paths), default=0)
+        if longest:
+            index = torch.tensor([path + [path[0]] * (longest - len(path)) if path else [0] * longest
+                                  for path in paths], device=x.device)  # [R, longest], padded with weight 0
+            weight = torch.tensor([[1.0] * len(path) + [0.0] * (longest - len(path)) for path in paths],
+                                  device=x.device)
+            counts.scatter_add_(1, index, weight)
+        seen = counts > 0
+        if p.repetition_penalty != 1.0:
+            rep = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x = torch.where(seen | self.in_prompt, rep, x)
+        return x - p.frequency_penalty * counts - p.presence_penalty * seen.float()
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Rows [root, nodes…] of a tree (parents[i-1] < i is node i's row) -> each row's drafted path tokens."""
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(tokens, parents):
+        paths.append(paths[parent] + [token])
+    return paths
+
+
+def penalized_logits(jobs: list[dict], logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A step's logit rows [Rl, V] -> the rows the target chooses from: `logits` itself unless a job's session
+    has bias or penalties, else a copy with those jobs' rows replaced (jobs: the engine's, with `logits` slices)."""
+    penalized = [job for job in jobs if job["s"].params.penalized and job["logits"].stop > job["logits"].start]
+    if not penalized:
+        return logits
+    out = logits.float().clone()
+    for job in penalized:
+        s, rows = job["s"], job["logits"]
+        paths = tree_paths(job["tokens"], job["parents"]) if job["kind"] == "verify" else [[]]
+        out[rows] = session_penalties(s, vocab_size, logits.device).apply(logits[rows], paths)
+    return out
+
+
+def session_penalties(s: Session, vocab_size: int, device: torch.device) -> Penalties:
+    if s.penalties is None:
+        s.penalties = Penalties(s.params, s.prompt, vocab_size, device)
+    return s.penalties
