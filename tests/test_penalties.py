@@ -97,3 +97,21 @@ def test_bad_fields_are_named(case):
 def test_good_fields_pass():
     check_sampling(pb.SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=10,
                                      logit_bias={0: -100, V - 1: 100}), V)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_equal_the_reference():
+    """The device path (counts by index_add_, paths by scatter_add_) at the K2.6 vocabulary."""
+    vocab, g = 163840, torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, vocab, (300,), generator=g).tolist()
+    output = torch.randint(0, 50, (40,), generator=g).tolist()
+    tokens, parents = random_tree(g, 24)
+    logits = torch.randn(25, vocab, generator=g) * 4
+    case = CASES[-1]
+    pen = Penalties(params(case), prompt, vocab, torch.device("cuda"))
+    pen.add(output)
+    got = pen.apply(logits.cuda(), tree_paths(tokens, parents)).cpu()
+    for r in range(25):
+        want = reference_penalize(logits[r], prompt, output + path_by_walking_up(tokens, parents, r), **case)
+        torch.testing.assert_close(got[r], want, rtol=0, atol=1e-5, msg=f"row {r}")
