@@ -16,6 +16,8 @@ The drafter does not see them: drafts only lose acceptance where the penalties m
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from verifier_service.session import GenParams, Session
@@ -31,9 +33,11 @@ class Penalties:
         if params.repetition_penalty != 1.0:
             self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.in_prompt[torch.tensor(prompt, device=device)] = True
-        ids, values = zip(*params.logit_bias) if params.logit_bias else ((), ())
-        self.bias_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+        self.bias = None  # fp32 [V]
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
 
     def add(self, tokens: list[int]) -> None:
         """Tokens just emitted (they join every later row's output context)."""
@@ -42,26 +46,31 @@ class Penalties:
                                    torch.ones(len(tokens), device=self.counts.device))
 
     def apply(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] of rows whose drafted path tokens (root excluded) are `paths` -> new fp32 [R, V]."""
-        p, (R, V) = self.params, logits.shape
-        x = logits.float().clone()
-        if self.bias_ids.numel():
-            x[:, self.bias_ids] += self.bias_values
+        """logits [R, V] of rows whose drafted path tokens (root excluded) are `paths` -> new fp32 [R, V].
+        Every row first gets the penalties of the output so far (dense, [V] vectors broadcast over the rows);
+        then the few (row, token) entries whose count its path raises are recomputed from the raw logit."""
+        p = self.params
+        x = logits.float() + self.bias if self.bias is not None else logits.float().clone()
         if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
             return x
-        counts = self.counts.expand(R, V).clone()  # [R, V]: output so far, plus each row's path below
-        longest = max(map(len, paths), default=0)
-        if longest:
-            index = torch.tensor([path + [path[0]] * (longest - len(path)) if path else [0] * longest
-                                  for path in paths], device=x.device)  # [R, longest], padded with weight 0
-            weight = torch.tensor([[1.0] * len(path) + [0.0] * (longest - len(path)) for path in paths],
-                                  device=x.device)
-            counts.scatter_add_(1, index, weight)
-        seen = counts > 0
+        seen = self.counts > 0  # [V]
         if p.repetition_penalty != 1.0:
-            rep = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-            x = torch.where(seen | self.in_prompt, rep, x)
-        return x - p.frequency_penalty * counts - p.presence_penalty * seen.float()
+            x = torch.where(seen | self.in_prompt, _repetition(x, p.repetition_penalty), x)
+        x -= p.frequency_penalty * self.counts + p.presence_penalty * seen.float()
+        rows, tokens, extra = [], [], []  # each row's path tokens with their multiplicity
+        for r, path in enumerate(paths):
+            for token, n in Counter(path).items():
+                rows.append(r), tokens.append(token), extra.append(n)
+        if rows:
+            r, t = torch.tensor(rows, device=x.device), torch.tensor(tokens, device=x.device)
+            v = logits[r, t].float() + (self.bias[t] if self.bias is not None else 0.0)
+            count = self.counts[t] + torch.tensor(extra, dtype=torch.float32, device=x.device)
+            x[r, t] = _repetition(v, p.repetition_penalty) - (p.frequency_penalty * count + p.presence_penalty)
+        return x
+
+
+def _repetition(x: torch.Tensor, penalty: float) -> torch.Tensor:
+    return torch.where(x > 0, x / penalty, x * penalty)
 
 
 def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
