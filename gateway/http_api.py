@@ -12,6 +12,7 @@ an error after that ends the event stream with one `{"error": ...}` event.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -22,10 +23,10 @@ from aiohttp import web
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.config import GatewayConfig
-from gateway.openai_api import chat_request, completion_request, openai_param, stream_flags
-from gateway.openai_response import OpenAIResponse
+from gateway.openai_api import chat_request, choice_count, completion_request, openai_param, stream_flags
+from gateway.openai_response import OpenAIResponse, merged_response, usage_event
 from gateway.pipeline import Gateway
-from gateway.validation import prompt_ids, to_job
+from gateway.validation import choice_jobs, prompt_ids, to_job
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from service_kit.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from service_kit.logs import get_logger
@@ -136,32 +137,58 @@ class Handlers:
                            field="model")
         req = chat_request(body) if chat else completion_request(body)
         stream, usage = stream_flags(body)
+        n = choice_count(body)
         req.request_id = request.headers.get("X-Request-Id", "")
         with _openai_names(body, chat):
             job = to_job(req, self.gateway.tokenizer, self.gateway.require_limits())
         if self.lifecycle.draining:
             raise Unavailable("server is draining")
-        out = OpenAIResponse(chat, job.request.request_id, model, self.gateway.tokenizer, req.return_logprobs, usage)
+        request_id = job.request.request_id
+        outs = [OpenAIResponse(chat, request_id, model, self.gateway.tokenizer, req.return_logprobs, index=i)
+                for i in range(n)]
         self.lifecycle.enter()
         try:
             timeout = self.gateway.config.default_timeout_s
-            with structlog.contextvars.bound_contextvars(request_id=out.request_id, method=request.path):
-                return await _respond(request, out, self.gateway.generate(job, timeout), stream)
+            generations = [self.gateway.generate(j, timeout) for j in choice_jobs(job, n)]
+            with structlog.contextvars.bound_contextvars(request_id=request_id, method=request.path):
+                return await _respond(request, outs, generations, stream, usage)
         finally:
             self.lifecycle.exit()
 
 
-async def _respond(request: web.Request, out: OpenAIResponse, generation, stream: bool) -> web.StreamResponse:
-    async with contextlib.aclosing(generation) as msgs:
-        first = await anext(msgs, None)  # admission and verifier errors surface here, before any byte
-        if first is None:
+async def _respond(request: web.Request, outs: list[OpenAIResponse], generations: list, stream: bool,
+                   include_usage: bool) -> web.StreamResponse:
+    async with contextlib.AsyncExitStack() as stack:
+        msgs = [await stack.enter_async_context(contextlib.aclosing(g)) for g in generations]
+        # admission and verifier errors surface here, before any byte; the choices start together
+        firsts = await _each([_first(m) for m in msgs])
+        if any(first is None for first in firsts):
             raise Unavailable("verifier stream ended without a message")
         if stream:
-            return await _stream(request, out, first, msgs)
-        out.add(first)
-        async for msg in msgs:
-            out.add(msg)
-        return web.json_response(out.response(), headers={"X-Request-Id": out.request_id})
+            return await _stream(request, outs, firsts, msgs, include_usage)
+        await _each([_collect(out, first, m) for out, first, m in zip(outs, firsts, msgs)])
+        return web.json_response(merged_response(outs), headers={"X-Request-Id": outs[0].request_id})
+
+
+async def _first(msgs) -> pb.GenerateResponse | None:
+    return await anext(msgs, None)
+
+
+async def _collect(out: OpenAIResponse, first: pb.GenerateResponse, msgs) -> None:
+    out.add(first)
+    async for msg in msgs:
+        out.add(msg)
+
+
+async def _each(coroutines: list) -> list:
+    """Runs them concurrently; the first failure cancels the rest and is raised as itself (not a group)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coroutines]
+    except BaseExceptionGroup as group:
+        errors = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)] or group.exceptions
+        raise next((e for e in errors if isinstance(e, ServiceError)), errors[0]) from None
+    return [t.result() for t in tasks]
 
 
 @contextlib.contextmanager
@@ -183,32 +210,56 @@ async def _json_object(request: web.Request) -> dict:
     return body
 
 
-async def _stream(request: web.Request, out: OpenAIResponse, first: pb.GenerateResponse, msgs) -> web.StreamResponse:
-    """Server-sent events; a client that goes away ends the generation (the pipeline cancels the verifier
-    call when `msgs` is closed)."""
+async def _stream(request: web.Request, outs: list[OpenAIResponse], firsts: list, msgs: list,
+                  include_usage: bool) -> web.StreamResponse:
+    """Server-sent events, the choices' events as they come; a client that goes away ends the generations (the
+    pipeline cancels a verifier call when its `msgs` is closed)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Request-Id": out.request_id})
+                                       "X-Request-Id": outs[0].request_id})
     await resp.prepare(request)
-    try:
-        start = out.start()
-        if start is not None:
-            await resp.write(sse(start))
-        msg = first
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def relay(out: OpenAIResponse, msg: pb.GenerateResponse | None, rest) -> None:
         while msg is not None:
-            events = out.end(msg.final) if msg.HasField("final") else [out.chunk(msg.chunk)]
-            for event in events:
-                if event is not None:
-                    await resp.write(sse(event))
-            msg = await anext(msgs, None)
+            await events.put(out.end(msg.final) if msg.HasField("final") else out.chunk(msg.chunk))
+            msg = await anext(rest, None)
+
+    async def write_until_done(relays) -> None:
+        while not all(r.done() for r in relays) or not events.empty():
+            event = await events.get()
+            if event is not None:
+                await resp.write(sse(event))
+
+    try:
+        for out in outs:
+            start = out.start()
+            if start is not None:
+                await resp.write(sse(start))
+        async with asyncio.TaskGroup() as group:
+            relays = [group.create_task(relay(*args)) for args in zip(outs, firsts, msgs)]
+            for r in relays:
+                r.add_done_callback(lambda _: events.put_nowait(None))  # wakes the writer at each end
+            await write_until_done(relays)
+        if include_usage:
+            await resp.write(sse(usage_event(outs)))
         await resp.write(sse("[DONE]"))
-    except ConnectionResetError:
-        log.info("http_client_gone", request_id=out.request_id)
-    except Exception as e:  # the status line is gone: the error becomes the stream's last event
-        if not isinstance(e, ServiceError):
-            log.exception("http_stream_failed", request_id=out.request_id)
-            e = ServiceError(f"internal error: {type(e).__name__}: {e}")
-        await resp.write(sse(error_body(e)[1]))
+    except BaseExceptionGroup as group:
+        await _stream_error(resp, outs[0], group.exceptions[0])
+    except Exception as e:
+        await _stream_error(resp, outs[0], e)
     return resp
+
+
+async def _stream_error(resp: web.StreamResponse, out: OpenAIResponse, e: BaseException) -> None:
+    """The status line is gone: an error becomes the stream's last event (a client that left gets nothing)."""
+    if isinstance(e, ConnectionResetError):
+        log.info("http_client_gone", request_id=out.request_id)
+        return
+    if not isinstance(e, ServiceError):
+        log.error("http_stream_failed", request_id=out.request_id, error=f"{type(e).__name__}: {e}")
+        e = ServiceError(f"internal error: {type(e).__name__}: {e}")
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write(sse(error_body(e)[1]))
 
 
 def build_app(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig) -> web.Application:

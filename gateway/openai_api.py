@@ -8,8 +8,9 @@ Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_to
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. `presence_penalty`,
 `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) change the target's distribution on
-the verifier, exactly as plain decoding would. Parameters that are not implemented (n > 1, forced tool choice,
-JSON response_format) are refused by name rather than ignored. `logprobs` (completions: n alternatives) and
+the verifier, exactly as plain decoding would. `n` > 1 runs n generations (choice i seeded with seed + i).
+Parameters that are not implemented (best_of, forced tool choice, JSON response_format) are refused by name rather
+than ignored. `logprobs` (completions: n alternatives) and
 `top_logprobs` (chat) come from the verifier, up to 20 alternatives.
 """
 
@@ -24,7 +25,8 @@ from service_kit.errors import InvalidArgument
 SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
 # Refused unless at their no-op value (or empty; response_format {"type": "text"} is plain text, the default):
 # each would change what is sampled, or how many answers come back.
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "functions": None, "response_format": None}
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "response_format": None}
+MAX_CHOICES = 16  # `n`: independent generations of one request
 CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatMessages' fields of these names
 INT32 = 2**31
 
@@ -200,6 +202,14 @@ def chat_request(body: dict) -> pb.GenerateRequest:
     req.top_logprobs = _int(body, "top_logprobs") or 0
     _sampling_and_stopping(body, req)
     return req
+
+
+def choice_count(body: dict) -> int:
+    """`n`: how many independent choices, each its own generation (seeded requests: choice i uses seed + i)."""
+    n = _int(body, "n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be in [1, {MAX_CHOICES}], got {n}")
+    return n
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

@@ -15,16 +15,17 @@ FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "sto
 
 
 class OpenAIResponse:
-    """One request's `GenerateResponse` messages as OpenAI JSON: streamed chunks (`start`, `chunk`, `end`) or,
-    after `add`ing every message, the whole `response()`. Extensions: `spec_stats` beside `usage` (DDTree's
+    """One choice's `GenerateResponse` messages as OpenAI JSON: streamed chunks (`start`, `chunk`, `end`) or,
+    after `add`ing every message, the whole `response()`; `merged_response` and `usage_event` join a request's
+    choices. Extensions: `spec_stats` beside `usage` (DDTree's
     per-request speculation summary) and vLLM's `stop_reason` (the matched stop string or token id)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, include_usage: bool):
+    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, index: int = 0):
         self.chat, self.model, self.tok = chat, model, tokenizer
         self.request_id = request_id
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
-        self.logprobs, self.include_usage = logprobs, include_usage
+        self.logprobs, self.index = logprobs, index
         self.texts: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[dict] = []
@@ -88,7 +89,7 @@ class OpenAIResponse:
         """The stream's first event: chat announces the assistant role; completions send nothing."""
         if not self.chat:
             return None
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._envelope([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}], True)
 
     def chunk(self, chunk: pb.Chunk) -> dict | None:
@@ -103,17 +104,15 @@ class OpenAIResponse:
             body = {"delta": {**delta, "content": chunk.text} if chunk.text or not delta else delta}
         else:
             body = {"text": chunk.text}
-        return self._envelope([{"index": 0, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}], True)
+        return self._envelope([{"index": self.index, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}],
+                              True)
 
-    def end(self, final: pb.Final) -> list[dict]:
-        """The stream's last events: the finish reason (with spec_stats), then usage if asked for."""
+    def end(self, final: pb.Final) -> dict:
+        """The choice's last stream event: its finish reason, with its spec_stats."""
+        self.final = final
         body = {"delta": {}} if self.chat else {"text": ""}
-        stats = self._usage_and_stats(final)
-        events = [self._envelope([{"index": 0, **body, "logprobs": None, **self._finish(final)}], True,
-                                 spec_stats=stats["spec_stats"])]
-        if self.include_usage:
-            events.append(self._envelope([], True, usage=stats["usage"]))
-        return events
+        return self._envelope([{"index": self.index, **body, "logprobs": None, **self._finish(final)}], True,
+                              spec_stats=self._usage_and_stats(final)["spec_stats"])
 
     def add(self, msg: pb.GenerateResponse) -> None:
         if msg.HasField("final"):
@@ -141,5 +140,31 @@ class OpenAIResponse:
             logprobs = {k: [x for lp in self.lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
             tops = [x for lp in self.lps for x in lp["top_logprobs"] or []]
             logprobs["top_logprobs"] = tops or None
-        return self._envelope([{"index": 0, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
+        return self._envelope([{"index": self.index, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
                               **self._usage_and_stats(self.final))
+
+
+def _usage(outs: list[OpenAIResponse]) -> dict:
+    """The request's usage: the prompt once, the completions (and their reasoning) of every choice."""
+    each = [o._usage_and_stats(o.final)["usage"] for o in outs]
+    completion = sum(u["completion_tokens"] for u in each)
+    reasoning = sum(u["completion_tokens_details"]["reasoning_tokens"] for u in each)
+    prompt = each[0]["prompt_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+
+def merged_response(outs: list[OpenAIResponse]) -> dict:
+    """The whole response of n choices (after each saw its final message). With several, each choice carries its
+    own spec_stats."""
+    whole = [o.response() for o in outs]
+    if len(whole) == 1:
+        return whole[0]
+    choices = [{**w["choices"][0], "spec_stats": w["spec_stats"]} for w in whole]
+    rest = {k: v for k, v in whole[0].items() if k not in ("choices", "spec_stats")}
+    return {**rest, "choices": choices, "usage": _usage(outs)}
+
+
+def usage_event(outs: list[OpenAIResponse]) -> dict:
+    """The stream's usage event (`stream_options.include_usage`), after every choice's end."""
+    return outs[0]._envelope([], True, usage=_usage(outs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -134,3 +135,19 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs),
         stops=tuple(req.stopping.stop), think=tok.think_tokens if chat else None,
         tools=tok.tool_call_tokens if chat else None)
+
+
+def choice_jobs(job: Job, n: int) -> list[Job]:
+    """n independent generations of one request (OpenAI's `n`): request ids `<id>-<i>`, and a seeded request's
+    choice i seeded with seed + i, so that the choices differ and each is reproducible."""
+    if n == 1:
+        return [job]
+    jobs = []
+    for i in range(n):
+        request = vpb.VerifierGenerateRequest()
+        request.CopyFrom(job.request)
+        request.request_id = f"{job.request.request_id}-{i}"
+        if request.sampling.HasField("seed"):
+            request.sampling.seed = (request.sampling.seed + i) % 2**64
+        jobs.append(dataclasses.replace(job, request=request))
+    return jobs

@@ -123,6 +123,31 @@ def test_chat_stream_adds_up_to_the_reference(idle, client):
     assert len({e.id for e in events}) == 1 and events[0].id.startswith("chatcmpl-")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_each_equal_their_seeded_grpc_reference(idle, client, stream):
+    """n = 3 sampled choices over HTTP (DDTree): choice i is AR over gRPC with seed + i, the usage sums them."""
+    refs = []
+    for i in range(3):
+        req = pb.GenerateRequest()
+        req.token_ids.ids.extend(PROMPTS[1])
+        req.sampling.temperature, req.sampling.seed = 1.0, 40 + i
+        refs.append(grpc_ar(idle, req, 24))
+    assert len({tuple(r.ids) for r in refs}) == 3, "the seeds must matter"
+    kwargs = dict(model=client.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=24, n=3, temperature=1.0,
+                  seed=40, extra_body=DDTREE)
+    if stream:
+        events = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        texts = ["".join(c.text for e in events for c in e.choices if c.index == i) for i in range(3)]
+        assert sorted(c.index for e in events for c in e.choices if c.finish_reason) == [0, 1, 2]
+        usage = events[-1].usage
+    else:
+        r = client.completions.create(**kwargs)
+        texts, usage = [c.text for c in sorted(r.choices, key=lambda c: c.index)], r.usage
+        assert all(c.model_extra["spec_stats"]["mode"] == "ddtree" for c in r.choices)
+    assert texts == [ref.text for ref in refs]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[1]), 72)
+
+
 def test_chat_with_tools_and_tool_turns(idle, client):
     """Tools and a finished tool round trip go through the template as the tokenizer renders them."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -192,7 +217,9 @@ def test_stop_string_truncates_like_grpc(idle, client, stream):
 @pytest.mark.parametrize("kwargs, status, param", [
     (dict(temperature=-1), 400, "temperature"),
     (dict(max_tokens=100000), 400, "max_tokens"),
-    (dict(n=2), 400, "n"),
+    (dict(n=17), 400, "n"),
+    (dict(presence_penalty=2.5), 400, "presence_penalty"),
+    (dict(logit_bias={"-4": 1}), 400, "logit_bias[-4]"),
     (dict(extra_body={"tree_budget": 0}), 400, "tree_budget"),
     (dict(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role"),
     (dict(model="gpt-5"), 404, "model"),
@@ -266,6 +293,11 @@ def test_admission_limit_is_429(idle):
         assert e.value.response.headers["Retry-After"] == "1"
         held.close()
         wait_until(lambda: idle.verifier_info().pages_used == 0, 5, "the held stream to end")
+        assert c.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.RateLimitError):  # n choices are n requests: the second is refused, both end
+            c.completions.create(model=model, prompt="x", max_tokens=200, n=2, extra_body={"ignore_eos": True})
+        wait_until(lambda: idle.verifier_info().pages_used == 0 and idle.verifier_info().live_sessions == 0, 5,
+                   "the admitted choice to end with the refused one")
         assert c.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens == 2
     finally:
         gw.kill()

@@ -11,10 +11,10 @@ import pytest
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.http_api import error_body
-from gateway.openai_api import chat_request, completion_request, openai_param, stream_flags
-from gateway.openai_response import OpenAIResponse
+from gateway.openai_api import chat_request, choice_count, completion_request, openai_param, stream_flags
+from gateway.openai_response import OpenAIResponse, merged_response, usage_event
 from gateway.tokenizer import KimiTokenizer
-from gateway.validation import Limits, to_job
+from gateway.validation import Limits, choice_jobs, to_job
 from service_kit.errors import InvalidArgument, ResourceExhausted, ServiceError
 
 LIMITS_LONG = Limits(vocab_size=5000, max_context=4096, max_new_tokens=32, default_max_new_tokens=8,
@@ -87,7 +87,6 @@ def test_penalties_and_logit_bias_fields(tok):
     ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "spec_mode": "eagle"}, "spec_mode"),
-    ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
@@ -147,18 +146,18 @@ def test_streamed_tool_calls_and_finish_reason(tok):
     msgs = [pb.GenerateResponse(chunk=pb.Chunk(token_ids=[1], text="Checking.", tool_calls=calls[:2])),
             pb.GenerateResponse(chunk=pb.Chunk(token_ids=[2], tool_calls=calls[2:])),
             pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_EOS, usage=pb.Usage()))]
-    whole = OpenAIResponse(True, "r", "m", tok, logprobs=False, include_usage=False)
+    whole = OpenAIResponse(True, "r", "m", tok, logprobs=False)
     for m in msgs:
         whole.add(m)
     choice = whole.response()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
     assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"k": 0}', '{"k": 1}', '{"k": 2}']
-    streamed = OpenAIResponse(True, "r", "m", tok, logprobs=False, include_usage=False)
-    events = [streamed.chunk(m.chunk) for m in msgs[:2]] + streamed.end(msgs[2].final)
+    streamed = OpenAIResponse(True, "r", "m", tok, logprobs=False)
+    events = [streamed.chunk(m.chunk) for m in msgs[:2]] + [streamed.end(msgs[2].final)]
     deltas = [c["delta"] for e in events for c in e["choices"]]
     assert [t["index"] for d in deltas for t in d.get("tool_calls", [])] == [0, 1, 2]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    plain = OpenAIResponse(True, "r", "m", tok, logprobs=False, include_usage=False)
+    plain = OpenAIResponse(True, "r", "m", tok, logprobs=False)
     plain.add(msgs[2])
     assert plain.response()["choices"][0]["finish_reason"] == "stop"
     assert plain.response()["choices"][0]["message"]["tool_calls"] is None
@@ -173,7 +172,7 @@ def test_top_logprobs_shapes(tok, chat):
     msgs = [pb.GenerateResponse(chunk=pb.Chunk(token_ids=[a, b], text=sa + sb, logprobs=[-0.5, -0.25],
                                                top_logprobs=tops)),
             pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage()))]
-    out = OpenAIResponse(chat, "r", "m", tok, logprobs=True, include_usage=False)
+    out = OpenAIResponse(chat, "r", "m", tok, logprobs=True)
     for m in msgs:
         out.add(m)
     lp = out.response()["choices"][0]["logprobs"]
@@ -293,12 +292,14 @@ def _messages(tok, pieces: list[str], logprobs: list[float], thought: str = "") 
 def test_streamed_events_add_up_to_the_response(tok, chat):
     thought = "Hmm." if chat else ""
     msgs = _messages(tok, ["Hello", " world"], [-0.5, -1.25], thought)
-    whole = OpenAIResponse(chat, "r1", "m", tok, logprobs=True, include_usage=True)
+    whole = OpenAIResponse(chat, "r1", "m", tok, logprobs=True)
     for m in msgs:
         whole.add(m)
-    full = whole.response()
-    streamed = OpenAIResponse(chat, "r1", "m", tok, logprobs=True, include_usage=True)
-    events = [streamed.start()] + [streamed.chunk(m.chunk) for m in msgs[:-1]] + streamed.end(msgs[-1].final)
+    full = merged_response([whole])
+    assert full == whole.response()
+    streamed = OpenAIResponse(chat, "r1", "m", tok, logprobs=True)
+    events = [streamed.start()] + [streamed.chunk(m.chunk) for m in msgs[:-1]] + [streamed.end(msgs[-1].final)]
+    events.append(usage_event([streamed]))
     events = [e for e in events if e is not None]
     choice = full["choices"][0]
     assert full["id"] == ("chatcmpl-r1" if chat else "cmpl-r1")
@@ -339,3 +340,35 @@ def test_error_statuses():
     for err, status, param in cases:
         got, body = error_body(err)
         assert got == status and body["error"]["param"] == param and body["error"]["message"] == err.message
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_n_choices_are_indexed_with_their_own_stats_and_summed_usage(tok, chat):
+    outs = [OpenAIResponse(chat, "r", "m", tok, logprobs=False, index=i) for i in range(3)]
+    for i, out in enumerate(outs):
+        for m in _messages(tok, ["Hello", " world" * (i + 1)], [-0.5, -1.0], "Hmm." if chat else ""):
+            out.add(m)
+    full = merged_response(outs)
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2] and "spec_stats" not in full
+    assert all(c["spec_stats"]["mode"] == "ddtree" for c in full["choices"])
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 15, "total_tokens": 19,
+                             "completion_tokens_details": {"reasoning_tokens": 6}}
+    texts = [c["message"]["content"] if chat else c["text"] for c in full["choices"]]
+    assert texts == ["Hello world", "Hello world world", "Hello world world world"]
+    assert usage_event(outs)["usage"] == full["usage"] and usage_event(outs)["choices"] == []
+
+
+def test_n_jobs_and_bounds(tok):
+    req = chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3, "seed": 5, "temperature": 1})
+    req.request_id, req.sampling.seed = "abc", 2**64 - 2  # gRPC's uint64 wraps around
+    jobs = choice_jobs(to_job(req, tok, LIMITS_LONG), choice_count({"n": 3}))
+    assert [j.request.request_id for j in jobs] == ["abc-0", "abc-1", "abc-2"]
+    assert [j.request.sampling.seed for j in jobs] == [2**64 - 2, 2**64 - 1, 0]
+    assert len({tuple(j.request.prompt_ids) for j in jobs}) == 1 and jobs[0].request.sampling.temperature == 1
+    unseeded = choice_jobs(to_job(chat_request({"messages": [{"role": "user", "content": "x"}]}), tok, LIMITS_LONG), 2)
+    assert not any(j.request.sampling.HasField("seed") for j in unseeded)
+    assert choice_jobs(jobs[0], 1) == [jobs[0]]
+    for n in (0, 17, -1):
+        with pytest.raises(InvalidArgument) as e:
+            choice_count({"n": n})
+        assert e.value.field == "n"
