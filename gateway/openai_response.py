@@ -82,6 +82,7 @@ class OpenAIResponse:
         stats["mode"] = pb.SpecMode.Name(final.spec_stats.mode).removeprefix("SPEC_MODE_").lower()
         return {"usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                           "total_tokens": u.prompt_tokens + u.completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
                           "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}},
                 "spec_stats": stats}
 
@@ -145,12 +146,14 @@ class OpenAIResponse:
 
 
 def _usage(outs: list[OpenAIResponse]) -> dict:
-    """The request's usage: the prompt once, the completions (and their reasoning) of every choice."""
+    """The request's usage: the prompt once (as the first choice saw it: its cached tokens), the completions (and
+    their reasoning) of every choice."""
     each = [o._usage_and_stats(o.final)["usage"] for o in outs]
     completion = sum(u["completion_tokens"] for u in each)
     reasoning = sum(u["completion_tokens_details"]["reasoning_tokens"] for u in each)
     prompt = each[0]["prompt_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": each[0]["prompt_tokens_details"],
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 

@@ -196,7 +196,7 @@ def _final(f: vpb.VerifierFinal, prompt_tokens: int, reasoning_tokens: int) -> p
         metrics.ACCEPTANCE.observe(f.spec_stats.mean_acceptance_length)
     final = pb.Final(finish_reason=f.finish_reason, spec_stats=f.spec_stats,
                      usage=pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                                    reasoning_tokens=reasoning_tokens))
+                                    reasoning_tokens=reasoning_tokens, cached_prompt_tokens=f.cached_prompt_tokens))
     if f.HasField("matched_stop_token_id"):
         final.matched_stop_token_id = f.matched_stop_token_id
     return final

@@ -157,6 +157,50 @@ def test_penalties_lossless_and_equal_plain_decoding(idle, ar_refs, tiny_ckpt):
             out.append(token)
 
 
+def _recomputed_greedy(model, prompt: list[int], n: int, served: list[int]) -> None:
+    """Checks `served` against a loop that re-runs the whole sequence through the model every token."""
+    import torch
+    from model_fixtures import new_cache, prefill
+
+    seq = list(prompt)
+    for k in range(n):
+        logits = prefill(model, new_cache(model), "ref", seq).logits[-1]
+        token = int(logits.argmax())
+        if token != served[k]:
+            top2 = torch.topk(logits, 2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-4, f"token {k}: served {served[k]}, reference {token} (gap {gap:.2e})"
+            return  # a numerical tie: the rest may diverge legitimately
+        seq.append(token)
+
+
+def test_prefix_cache_reuses_prompt_and_output_pages_losslessly(idle, tiny_ckpt):
+    """A prompt served again, and a next turn (prompt + answer + new tokens): the repeats start from whole pages
+    of the verifier's prefix cache (Usage.cached_prompt_tokens; pages of 16), and every output equals a loop
+    in this process that recomputes the whole sequence every token (greedy), or the cold run (seeded)."""
+    from model_fixtures import load_model, one_thread
+
+    prompt, n = [(i * 71 + 3) % 1792 for i in range(50)], 16  # no other test's prompt shares its first page
+    cold = generate(idle.generation, gen_request(prompt, n, mode=pb.SPEC_MODE_AR))
+    assert cold.final.usage.cached_prompt_tokens == 0
+    warm = [generate(idle.generation, gen_request(prompt, n, mode=m, budget=b))
+            for m, b in ((pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_AR, None))]
+    assert [r.final.usage.cached_prompt_tokens for r in warm] == [48, 48]
+    assert all(r.ids == cold.ids for r in warm), [first_difference(r.ids, cold.ids) for r in warm]
+    turn = prompt + cold.ids + [5, 6, 7]  # the AR run committed 50 + 15 tokens: 4 whole pages
+    nxt = generate(idle.generation, gen_request(turn, n, mode=pb.SPEC_MODE_DDTREE, budget=16))
+    assert nxt.final.usage.cached_prompt_tokens == 64
+    other = [(i * 89 + 1) % 1792 for i in range(40)]
+    sampled = [generate(idle.generation, gen_request(other, n, mode=pb.SPEC_MODE_DDTREE, budget=16, temperature=1.0,
+                                                     seed=8)) for _ in range(2)]
+    assert [r.final.usage.cached_prompt_tokens for r in sampled] == [0, 32]
+    assert sampled[0].ids == sampled[1].ids, first_difference(sampled[0].ids, sampled[1].ids)
+    with one_thread():
+        model = load_model(tiny_ckpt)
+        _recomputed_greedy(model, prompt, n, cold.ids)
+        _recomputed_greedy(model, turn, n, nxt.ids)
+
+
 @pytest.mark.slow
 def test_sixteen_concurrent_mixed_streams_equal_solo(idle):
     modes = [(pb.SPEC_MODE_AR, None), (pb.SPEC_MODE_CHAIN, None), (pb.SPEC_MODE_DDTREE, 1),

@@ -306,6 +306,7 @@ def test_streamed_events_add_up_to_the_response(tok, chat):
     assert full["object"] == ("chat.completion" if chat else "text_completion")
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "END")
     assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0},
                              "completion_tokens_details": {"reasoning_tokens": 2}}
     assert full["spec_stats"]["mode"] == "ddtree" and full["spec_stats"]["acceptance_histogram"] == [0, 1, 1]
     text = (choice["message"]["content"] if chat else choice["text"])
@@ -352,6 +353,7 @@ def test_n_choices_are_indexed_with_their_own_stats_and_summed_usage(tok, chat):
     assert [c["index"] for c in full["choices"]] == [0, 1, 2] and "spec_stats" not in full
     assert all(c["spec_stats"]["mode"] == "ddtree" for c in full["choices"])
     assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 15, "total_tokens": 19,
+                             "prompt_tokens_details": {"cached_tokens": 0},
                              "completion_tokens_details": {"reasoning_tokens": 6}}
     texts = [c["message"]["content"] if chat else c["text"] for c in full["choices"]]
     assert texts == ["Hello world", "Hello world world", "Hello world world world"]

@@ -34,6 +34,8 @@ class VerifierConfig(ServerConfig):
     kv_cache_mb: int = option(256, "latent KV cache budget in MiB (pages are allocated once from it)")
     page_size: int = option(64, "KV rows per page")
     prefill_chunk: int = option(512, "prompt tokens prefilled per step per session")
+    prefix_cache: bool = option(True, "reuse the KV pages of earlier requests' identical prompt prefixes (whole "
+                                "pages, kept until the space is needed); false: every prompt is prefilled")
     max_batch: int = option(64, "sessions decoded together in one step")
     drafter_transport: str = option("framed", "how Proposes travel: framed = the drafter's framed Propose port "
                                     "(GetInfo.propose_port; gRPC for a replica without one), grpc = the "

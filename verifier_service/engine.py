@@ -143,7 +143,8 @@ class Engine:
                                     error_code="RESOURCE_EXHAUSTED"))
                 break
             self.waiting.popleft()
-            self.table.open(s.id)
+            s.skip_cached(self.table.open(s.id, s.prompt))
+            metrics.observe_prefix_cache(len(s.prompt), s.cached_tokens)
             self.reserved[s.id] = need
             self.active[s.id] = s
 
@@ -233,6 +234,8 @@ class Engine:
                 if features and s.features_on:
                     keep.append((s, job["start"], job["rows"]))
                 s.prefilled += job["n"]
+                if s.prefilled == len(s.prompt):  # its prompt's full pages serve later requests from now on
+                    self.table.publish(s.id, s.prompt)
                 if lr.stop > lr.start:
                     if greedy_rows:
                         token = host.argmax[lr.start]
@@ -291,6 +294,7 @@ class Engine:
         """A step's tokens → (kept, finish reason or None, stop id); advances the session's counters."""
         kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
         s.emitted += len(kept)
+        s.output += kept
         if s.penalties is not None:  # made at the session's first penalized row, which this step had
             s.penalties.add(kept)
         if not s.params.greedy:  # greedy sessions never draw from their uniform stream
@@ -322,6 +326,8 @@ class Engine:
         self.active.pop(s.id, None)
         self.reserved.pop(s.id, None)
         if s.id in self.table.sessions():
+            if final.error is None:  # after a failed step its pages' KV may be incomplete
+                self.table.publish(s.id, s.prompt + s.output)
             self.table.close(s.id)
         if self.drafting:
             self.drafting.release(s, self.inflight)

@@ -17,6 +17,8 @@ Per session: an ordered page list (its committed tokens: position p lives in pag
 at offset p % page_size) and a length. Tree rows of a verify go to the session's scratch pages;
 `commit` copies the accepted path's rows to the session's next positions and frees the scratch.
 Every rank runs the same bookkeeping on the same broadcast plan, so page ids agree across ranks.
+With a prefix cache (verifier_service/prefix_cache.py) a session's table may begin with published pages that
+other sessions hold too: read only, never written (a session writes past its length, and they are full).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from verifier_service.prefix_cache import PrefixIndex, page_keys
 
 
 class OutOfPages(RuntimeError):
@@ -38,31 +42,53 @@ class _Session:
     length: int = 0  # committed tokens
     scratch_pages: list[int] = field(default_factory=list)
     scratch_rows: int = 0
+    shared: int = 0  # leading pages that are published in the prefix cache (held, read only)
 
 
 class PageTable:
     """Free list + per-session page tables. Pure Python: no tensors, unit-testable anywhere."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be positive")
         self.num_pages, self.page_size = num_pages, page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
         self._sessions: dict[Hashable, _Session] = {}
+        self.prefix = PrefixIndex() if prefix_cache else None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free pages, idle cached ones included (they are evicted when needed)."""
+        return len(self._free) + (len(self.prefix.idle) if self.prefix is not None else 0)
 
-    def open(self, sid: Hashable) -> None:
+    def open(self, sid: Hashable, prompt: Sequence[int] | None = None) -> int:
+        """A new session; with a prefix cache and its prompt, its table starts with the published pages of the
+        prompt's longest cached prefix -> that prefix's length (tokens already in the cache)."""
         if sid in self._sessions:
             raise KeyError(f"session {sid!r} is already open")
-        self._sessions[sid] = _Session()
+        s = self._sessions[sid] = _Session()
+        if self.prefix is not None and prompt is not None:
+            s.pages = self.prefix.match(prompt, self.page_size)
+            s.shared, s.length = len(s.pages), len(s.pages) * self.page_size
+        return s.length
+
+    def publish(self, sid: Hashable, tokens: Sequence[int]) -> None:
+        """Publish the session's full committed pages, whose tokens begin `tokens` (prompt, then output), in
+        the prefix cache; stops at a page whose tokens another page already holds."""
+        s = self._session(sid)
+        full = min(len(tokens), s.length) // self.page_size
+        if self.prefix is None or full <= s.shared:
+            return
+        keys = page_keys(tokens, self.page_size, full)
+        while s.shared < full and self.prefix.publish(keys[s.shared], s.pages[s.shared]):
+            s.shared += 1
 
     def close(self, sid: Hashable) -> None:
-        """Free every page of the session (committed and scratch)."""
+        """Free every page of the session (committed and scratch); published ones stay cached."""
         s = self._session(sid)
-        self._release(s.pages + s.scratch_pages)
+        if s.shared:
+            self.prefix.release(s.pages[:s.shared])
+        self._release(s.pages[s.shared:] + s.scratch_pages)
         del self._sessions[sid]
 
     def sessions(self) -> list[Hashable]:
@@ -123,6 +149,8 @@ class PageTable:
             raise KeyError(f"unknown session {sid!r}") from None
 
     def _take(self, n: int) -> list[int]:
+        if n > len(self._free) and self.prefix is not None:
+            self._free[:0] = self.prefix.evict(n - len(self._free))  # taken last: fresh pages first
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} of {self.num_pages} free")
         return [self._free.pop() for _ in range(max(n, 0))]
@@ -135,8 +163,8 @@ class PagedKVCache:
     """The cache tensor (see module docstring for the byte layout) + its `PageTable`."""
 
     def __init__(self, *, num_layers: int, width: int, num_pages: int, page_size: int,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
-        self.table = PageTable(num_pages, page_size)
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", prefix_cache: bool = False):
+        self.table = PageTable(num_pages, page_size, prefix_cache)
         self.kv = torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
         # Multi-rank: rank 0 forwards each commit's copy to the other ranks' replicated caches.
         self.on_copy: Callable[[list[int], list[int]], None] | None = None
@@ -146,14 +174,15 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(cls, budget_bytes: int, *, num_layers: int, width: int, page_size: int,
-                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> PagedKVCache:
+                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                    prefix_cache: bool = False) -> PagedKVCache:
         """As many pages as `budget_bytes` holds (a page spans all layers)."""
         page_bytes = num_layers * page_size * width * torch.finfo(dtype).bits // 8
         num_pages = budget_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(f"budget {budget_bytes} B is below one page ({page_bytes} B)")
         return cls(num_layers=num_layers, width=width, num_pages=num_pages, page_size=page_size,
-                   dtype=dtype, device=device)
+                   dtype=dtype, device=device, prefix_cache=prefix_cache)
 
     @property
     def page_size(self) -> int:

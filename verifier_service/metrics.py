@@ -25,6 +25,15 @@ WAITING = Gauge("ddtree_num_sessions_waiting", "Sessions waiting for KV pages or
 KV_USAGE = Gauge("ddtree_kv_cache_usage_perc", "Fraction of KV pages in use (0-1)")
 
 
+PREFIX_QUERIES = Counter("ddtree_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
+PREFIX_HITS = Counter("ddtree_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not prefilled)")
+
+
+def observe_prefix_cache(queried: int, hit: int) -> None:
+    PREFIX_QUERIES.inc(queried)
+    PREFIX_HITS.inc(hit)
+
+
 def observe_step(*, draft_s: float, verify_s: float, accept_s: float, rows: int, sessions: int,
                  prefill: bool) -> None:
     if sessions:

@@ -55,7 +55,7 @@ class Runner:
         self.weight_bytes = weight_nbytes(weights)
         self.cache = PagedKVCache.from_budget(
             config.kv_cache_mb * 2**20, num_layers=self.cfg.num_hidden_layers, width=self.cfg.kv_cache_width,
-            page_size=config.page_size, dtype=self.dtype, device=self.device)
+            page_size=config.page_size, dtype=self.dtype, device=self.device, prefix_cache=config.prefix_cache)
         self.kv_bytes = self.cache.kv.numel() * self.cache.kv.element_size()
         self.cache.use_kernel = (config.kernels and self.device.type == "cuda"
                                  and self.cfg.kv_cache_width * self.cache.kv.element_size() % 16 == 0)

@@ -72,7 +72,8 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
 
 def _final(s: Session, e: Emission, block_size: int) -> vpb.VerifierFinal:
     f = vpb.VerifierFinal(finish_reason=e.finish_reason, prompt_tokens=len(s.prompt),
-                          completion_tokens=s.emitted, spec_stats=s.spec_stats(block_size))
+                          completion_tokens=s.emitted, spec_stats=s.spec_stats(block_size),
+                          cached_prompt_tokens=s.cached_tokens)
     if e.matched_stop_token_id is not None:
         f.matched_stop_token_id = e.matched_stop_token_id
     return f

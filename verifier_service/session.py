@@ -63,12 +63,12 @@ class FeatureRing:
     rows: the capacity doubles up to 1.5 x `window` (window 0: unbounded), and once the buffer's end is
     reached the kept rows move back to its start (<= window rows copied per window/2 rows appended)."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, start: int = 0):
         self.window = window
         self._buf: torch.Tensor | None = None  # [capacity, F]
         self._head = 0  # buffer row of position `start`
-        self._end = 0  # absolute position after the last row
-        self.start = 0  # absolute position of the oldest row kept
+        self._end = start  # absolute position after the last row
+        self.start = start  # absolute position of the oldest row kept (empty until the first append)
 
     @property
     def end(self) -> int:
@@ -147,6 +147,8 @@ class Session:
     prefilled: int = 0  # prompt tokens in the KV cache
     pending: int | None = None  # the root b: emitted, not yet in the KV cache
     emitted: int = 0
+    output: list[int] = field(default_factory=list)  # the emitted tokens
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
     drafter_len: int = 0  # feature rows the drafter is believed to hold
     drafter_replica: str | None = None
     needs_reset: bool = False
@@ -163,6 +165,12 @@ class Session:
     @property
     def decoding(self) -> bool:
         return self.pending is not None
+
+    def skip_cached(self, tokens: int) -> None:
+        """The first `tokens` prompt tokens are in the KV cache already: prefill starts after them, and so do the
+        feature rows (the drafter gets those from there on; a reset starts it at the first of them)."""
+        self.prefilled = self.cached_tokens = tokens
+        self.features = FeatureRing(self.window, start=tokens)
 
     def truncate(self, tokens: list[int], eos_ids: frozenset[int], max_context: int):
         """Cut a step's tokens at the first stop id / EOS / length limit -> (kept, reason, stop id)."""
