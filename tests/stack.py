@@ -212,8 +212,10 @@ class Stack:
 
     def add_verifier(self, *extra: str, drafters: Sequence[str] | None = None, wait: bool = True) -> Proc:
         addrs = [d.address for d in self.drafters] if drafters is None else list(drafters)
+        # DDTREE_TEST_DEVICE=cuda runs the stacks' verifiers on the GPU (the end-to-end suites on a GPU machine)
+        device = ["--device", os.environ["DDTREE_TEST_DEVICE"]] if os.environ.get("DDTREE_TEST_DEVICE") else []
         args = ["--model", str(self.model), "--kv-cache-mb", "8", "--max-context", "512", "--page-size", "16",
-                "--max-new-tokens-limit", "256", *[a for d in addrs for a in ("--drafter", d)], *extra]
+                "--max-new-tokens-limit", "256", *device, *[a for d in addrs for a in ("--drafter", d)], *extra]
         self.verifier = self._proc("verifier", "verifier", args).start()
         if wait:
             wait_serving(self.verifier, VERIFIER, watch=self.live_procs)
