@@ -123,3 +123,14 @@ def test_from_budget_and_layout():
     small = PagedKVCache(num_layers=2, width=3, num_pages=2, page_size=2, dtype=torch.float32)
     small.kv.view(2, -1, 3)[1, 3, 2] = 5.0
     assert small.kv.flatten()[(1 * 2 * 2 + 3) * 3 + 2] == 5.0
+
+
+def test_withheld_pages_are_nobodys_and_not_counted():
+    t = PageTable(5, 4)
+    [pad] = t.withhold(1)
+    assert (t.num_pages, t.num_free) == (4, 4) and pad not in t._free
+    t.open("a")
+    t.extend("a", 16)
+    assert pad not in t.pages("a") and t.num_free == 0
+    t.close("a")
+    assert t.num_free == t.num_pages == 4

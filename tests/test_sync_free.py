@@ -13,7 +13,7 @@ from model_fixtures import (grouped_dir, load_model, new_cache, prefill, single_
                             tiny_model)
 
 from verifier_service import model as model_mod
-from verifier_service.graphs import PAD_SESSION, empty_plan, fill_plan, page_bucket, static_plan
+from verifier_service.graphs import empty_plan, fill_plan, page_bucket, static_plan
 from verifier_service.int4 import Int4Weight
 from verifier_service.mla import mla_forward, rms_norm, row_keys
 from verifier_service.model import REFERENCE, SYNC_FREE, K2Model
@@ -249,8 +249,7 @@ def test_padded_plan_equals_unpadded(tiny_model, bucket, max_seqs, pages):
     model = sync_free(tiny_model)
     cache, plan = poisoned_session_plan(tiny_model, seed=11, chunk=33 - sum(n for _, n in SESSIONS))
     assert plan.num_rows == 33 and plan.prefix_lens.shape[0] == 7 and plan.page_table.shape[1] == 4
-    cache.table.open(PAD_SESSION)
-    pad_slot = cache.table.extend(PAD_SESSION, 1)[0]
+    pad_slot = cache.table.withhold(1)[0] * cache.page_size
     static = static_plan(bucket, max_seqs, pages, "cpu")
     fill_plan(static, empty_plan(static), pad_slot)  # what a capture runs first
     model.forward(static, cache.kv.clone(), (0,))
@@ -276,8 +275,7 @@ def test_padded_decode_rows(tiny_model):
         prefill(tiny_model, cache, sid, list(range(30, 30 + n)))
         seqs.append(SeqRows([7], [-1], n, cache.table.pages(sid), cache.table.scratch(sid, 1)))
     plan = build_plan(seqs)
-    cache.table.open(PAD_SESSION)
-    pad_slot = cache.table.extend(PAD_SESSION, 1)[0]
+    pad_slot = cache.table.withhold(1)[0] * cache.page_size
     static = static_plan(8, 4, page_bucket(plan.page_table.shape[1], 16, True), "cpu")
     fill_plan(static, plan, pad_slot)
     ref = tiny_model.forward(plan, cache.kv.clone()).logits

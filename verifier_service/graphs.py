@@ -39,7 +39,6 @@ from verifier_service.plan import BatchPlan
 # to 32); its projections now run kernels/skinny_linear, and the kimi-tiny forward at 5-16 rows takes
 # 7-13 % less GPU time in the 8/16 buckets than padded to 32 (H200, 2026-11-30).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PAD_SESSION = "__graph_pad__"
 assert BUCKETS[-1] == GRAPH_MAX_ROWS  # K2Model.graph_safe checks its paths for plans of this size
 
 
@@ -63,8 +62,8 @@ class GraphRunner:
         self.page_buckets = model.attention_path(cache.kv) == SYNC_FREE
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, int, tuple[int, ...]], _Graph] = {}
-        cache.table.open(PAD_SESSION)  # one page whose first slot takes every pad row's latent
-        self.pad_slot = cache.table.extend(PAD_SESSION, 1)[0]
+        # one page whose first slot takes every pad row's latent, outside every session's
+        self.pad_slot = cache.table.withhold(1)[0] * cache.page_size
 
     def fits(self, plan: BatchPlan) -> bool:
         if plan.explicit_mla or plan.num_rows > BUCKETS[-1] or plan.prefix_lens.shape[0] > self.max_seqs \
