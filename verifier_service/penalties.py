@@ -24,49 +24,74 @@ from verifier_service.session import GenParams, Session
 
 
 class Penalties:
-    """One session's bias and penalties, with its output token counts on the logits' device (fp32 [V])."""
+    """One session's bias and penalties. On the logits' device: the output token counts (fp32 [V]), the prompt's
+    tokens (bool [V], with a repetition penalty) and the bias (fp32 [V]); `columns` lists every token these can
+    touch (prompt, output, bias ids), so a step changes only those columns of its rows."""
 
     def __init__(self, params: GenParams, prompt: list[int], vocab_size: int, device: torch.device):
-        self.params = params
+        self.params, self.device = params, device
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.in_prompt = None
+        self._touched = set()  # token ids of `columns`
         if params.repetition_penalty != 1.0:
             self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.in_prompt[torch.tensor(prompt, device=device)] = True
-        self.bias = None  # fp32 [V]
+            self._touched.update(prompt)
+        self.bias = None
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+            self._touched.update(ids)
+        self.columns = torch.tensor(sorted(self._touched), dtype=torch.long, device=device)
+
+    @property
+    def penalizes(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
     def add(self, tokens: list[int]) -> None:
         """Tokens just emitted (they join every later row's output context)."""
-        if tokens:
-            self.counts.index_add_(0, torch.tensor(tokens, device=self.counts.device),
-                                   torch.ones(len(tokens), device=self.counts.device))
+        if not tokens or not self.penalizes:
+            return
+        self.counts.index_add_(0, torch.tensor(tokens, device=self.device), torch.ones(len(tokens), device=self.device))
+        if not self._touched.issuperset(tokens):
+            self._touched.update(tokens)
+            self.columns = torch.tensor(sorted(self._touched), dtype=torch.long, device=self.device)
 
     def apply(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] of rows whose drafted path tokens (root excluded) are `paths` -> new fp32 [R, V].
-        Every row first gets the penalties of the output so far (dense, [V] vectors broadcast over the rows);
-        then the few (row, token) entries whose count its path raises are recomputed from the raw logit."""
+        """logits [R, V] of rows whose drafted path tokens (root excluded) are `paths` -> new fp32 [R, V]."""
+        x = logits.float().clone()
+        self.apply_(x, logits, paths)
+        return x
+
+    def apply_(self, x: torch.Tensor, raw: torch.Tensor, paths: list[list[int]]) -> None:
+        """`apply` in place: x [R, V] fp32 holds the rows' raw logits `raw`. First every row's `columns` get the
+        bias and the penalties of the output so far ([R, C] gathered); then the few (row, token) entries whose
+        count its path raises are recomputed from the raw logit."""
         p = self.params
-        x = logits.float() + self.bias if self.bias is not None else logits.float().clone()
-        if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
-            return x
-        seen = self.counts > 0  # [V]
-        if p.repetition_penalty != 1.0:
-            x = torch.where(seen | self.in_prompt, _repetition(x, p.repetition_penalty), x)
-        x -= p.frequency_penalty * self.counts + p.presence_penalty * seen.float()
+        if self.columns.numel():
+            cols = self.columns
+            v = x[:, cols] + self.bias[cols] if self.bias is not None else x[:, cols]  # [R, C]
+            if self.penalizes:
+                count = self.counts[cols]
+                seen = count > 0
+                if p.repetition_penalty != 1.0:
+                    v = torch.where(seen | self.in_prompt[cols], _repetition(v, p.repetition_penalty), v)
+                v = v - (p.frequency_penalty * count + p.presence_penalty * seen.float())
+            x[:, cols] = v
+        if not self.penalizes:
+            return
         rows, tokens, extra = [], [], []  # each row's path tokens with their multiplicity
         for r, path in enumerate(paths):
             for token, n in Counter(path).items():
                 rows.append(r), tokens.append(token), extra.append(n)
         if rows:
-            r, t = torch.tensor(rows, device=x.device), torch.tensor(tokens, device=x.device)
-            v = logits[r, t].float() + (self.bias[t] if self.bias is not None else 0.0)
+            index = torch.tensor([rows, tokens], device=x.device)
+            r, t = index[0], index[1]
+            v = raw[r, t].float() + (self.bias[t] if self.bias is not None else 0.0)
             count = self.counts[t] + torch.tensor(extra, dtype=torch.float32, device=x.device)
             x[r, t] = _repetition(v, p.repetition_penalty) - (p.frequency_penalty * count + p.presence_penalty)
-        return x
 
 
 def _repetition(x: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -91,7 +116,7 @@ def penalized_logits(jobs: list[dict], logits: torch.Tensor, vocab_size: int) ->
     for job in penalized:
         s, rows = job["s"], job["logits"]
         paths = tree_paths(job["tokens"], job["parents"]) if job["kind"] == "verify" else [[]]
-        out[rows] = session_penalties(s, vocab_size, logits.device).apply(logits[rows], paths)
+        session_penalties(s, vocab_size, logits.device).apply_(out[rows], logits[rows], paths)
     return out
 
 
