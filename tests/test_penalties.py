@@ -11,7 +11,7 @@ from sampling_reference import reference_penalize
 from ddtree.v1 import generation_pb2 as pb
 from service_kit.errors import InvalidArgument
 from service_kit.sampling import check_sampling
-from verifier_service.penalties import Penalties, penalized_logits, tree_paths
+from verifier_service.penalties import Penalties, path_counts, penalized_logits
 from verifier_service.session import GenParams, Session
 
 V = 40
@@ -52,7 +52,7 @@ def test_tree_rows_equal_plain_decoding_of_their_paths(case, nodes):
     pen = Penalties(params(case), prompt, V, torch.device("cpu"))
     pen.add(output[:6])
     pen.add(output[6:])
-    got = pen.apply(logits, tree_paths(tokens, parents))
+    got = pen.apply(logits, path_counts(tokens, parents))
     for r in range(nodes + 1):
         want = reference_penalize(logits[r], prompt, output + path_by_walking_up(tokens, parents, r), **case)
         torch.testing.assert_close(got[r], want, rtol=0, atol=1e-5, msg=f"row {r}")  # fp32 ops, same order
@@ -111,7 +111,7 @@ def test_on_the_gpu_equal_the_reference():
     case = CASES[-1]
     pen = Penalties(params(case), prompt, vocab, torch.device("cuda"))
     pen.add(output)
-    got = pen.apply(logits.cuda(), tree_paths(tokens, parents)).cpu()
+    got = pen.apply(logits.cuda(), path_counts(tokens, parents)).cpu()
     for r in range(25):
         want = reference_penalize(logits[r], prompt, output + path_by_walking_up(tokens, parents, r), **case)
         torch.testing.assert_close(got[r], want, rtol=0, atol=1e-5, msg=f"row {r}")

@@ -16,94 +16,83 @@ The drafter does not see them: drafts only lose acceptance where the penalties m
 
 from __future__ import annotations
 
-from collections import Counter
-
+import numpy as np
 import torch
 
 from verifier_service.session import GenParams, Session
 
 
+PathCounts = np.ndarray  # int64 [3, n]: (row, token, count), see path_counts
+NO_PATHS = np.zeros((3, 0), dtype=np.int64)
+
+
 class Penalties:
-    """One session's bias and penalties. On the logits' device: the output token counts (fp32 [V]), the prompt's
-    tokens (bool [V], with a repetition penalty) and the bias (fp32 [V]); `columns` lists every token these can
-    touch (prompt, output, bias ids), so a step changes only those columns of its rows."""
+    """One session's bias and penalties, with its output token counts on the logits' device (fp32 [V])."""
 
     def __init__(self, params: GenParams, prompt: list[int], vocab_size: int, device: torch.device):
-        self.params, self.device = params, device
+        self.params = params
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.in_prompt = None
-        self._touched = set()  # token ids of `columns`
         if params.repetition_penalty != 1.0:
             self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.in_prompt[torch.tensor(prompt, device=device)] = True
-            self._touched.update(prompt)
-        self.bias = None
+        self.bias = None  # fp32 [V]
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
-            self._touched.update(ids)
-        self.columns = torch.tensor(sorted(self._touched), dtype=torch.long, device=device)
 
     @property
     def penalizes(self) -> bool:
+        """Beyond the bias: a row's own path changes its logits."""
         p = self.params
         return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
     def add(self, tokens: list[int]) -> None:
         """Tokens just emitted (they join every later row's output context)."""
-        if not tokens or not self.penalizes:
-            return
-        self.counts.index_add_(0, torch.tensor(tokens, device=self.device), torch.ones(len(tokens), device=self.device))
-        if not self._touched.issuperset(tokens):
-            self._touched.update(tokens)
-            self.columns = torch.tensor(sorted(self._touched), dtype=torch.long, device=self.device)
+        if tokens and self.penalizes:
+            self.counts.index_add_(0, torch.tensor(tokens, device=self.counts.device),
+                                   torch.ones(len(tokens), device=self.counts.device))
 
-    def apply(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] of rows whose drafted path tokens (root excluded) are `paths` -> new fp32 [R, V]."""
-        x = logits.float().clone()
-        self.apply_(x, logits, paths)
-        return x
-
-    def apply_(self, x: torch.Tensor, raw: torch.Tensor, paths: list[list[int]]) -> None:
-        """`apply` in place: x [R, V] fp32 holds the rows' raw logits `raw`. First every row's `columns` get the
-        bias and the penalties of the output so far ([R, C] gathered); then the few (row, token) entries whose
-        count its path raises are recomputed from the raw logit."""
+    def apply(self, logits: torch.Tensor, paths: PathCounts) -> torch.Tensor:
+        """logits [R, V] of rows whose drafted paths hold `paths` (see `path_counts`) -> new fp32 [R, V].
+        Every row first gets the penalties of the output so far (dense, [V] vectors broadcast over the rows);
+        then the few (row, token) entries whose count its path raises are recomputed from the raw logit."""
         p = self.params
-        if self.columns.numel():
-            cols = self.columns
-            v = x[:, cols] + self.bias[cols] if self.bias is not None else x[:, cols]  # [R, C]
-            if self.penalizes:
-                count = self.counts[cols]
-                seen = count > 0
-                if p.repetition_penalty != 1.0:
-                    v = torch.where(seen | self.in_prompt[cols], _repetition(v, p.repetition_penalty), v)
-                v = v - (p.frequency_penalty * count + p.presence_penalty * seen.float())
-            x[:, cols] = v
+        x = logits.float() + self.bias if self.bias is not None else logits.float().clone()
         if not self.penalizes:
-            return
-        rows, tokens, extra = [], [], []  # each row's path tokens with their multiplicity
-        for r, path in enumerate(paths):
-            for token, n in Counter(path).items():
-                rows.append(r), tokens.append(token), extra.append(n)
-        if rows:
-            index = torch.tensor([rows, tokens], device=x.device)
-            r, t = index[0], index[1]
-            v = raw[r, t].float() + (self.bias[t] if self.bias is not None else 0.0)
-            count = self.counts[t] + torch.tensor(extra, dtype=torch.float32, device=x.device)
+            return x
+        seen = self.counts > 0  # [V]
+        if p.repetition_penalty != 1.0:
+            x = torch.where(seen | self.in_prompt, _repetition(x, p.repetition_penalty), x)
+        x -= p.frequency_penalty * self.counts + p.presence_penalty * seen.float()
+        if paths.size:
+            entries = torch.from_numpy(paths).to(x.device)  # [3, n]: row, token, count
+            r, t = entries[0], entries[1]
+            v = logits[r, t].float() + (self.bias[t] if self.bias is not None else 0.0)
+            count = self.counts[t] + entries[2].float()
             x[r, t] = _repetition(v, p.repetition_penalty) - (p.frequency_penalty * count + p.presence_penalty)
+        return x
 
 
 def _repetition(x: torch.Tensor, penalty: float) -> torch.Tensor:
     return torch.where(x > 0, x / penalty, x * penalty)
 
 
-def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
-    """Rows [root, nodes…] of a tree (parents[i-1] < i is node i's row) -> each row's drafted path tokens."""
-    paths: list[list[int]] = [[]]
-    for token, parent in zip(tokens, parents):
-        paths.append(paths[parent] + [token])
-    return paths
+def path_counts(tokens: list[int], parents: list[int]) -> PathCounts:
+    """Rows [root, nodes…] of a tree (parents[i-1] < i is node i's row) -> int64 [3, n]: (row, token, count) for
+    each token on a row's drafted path (the root excluded, the row's own token included), once per pair."""
+    n = len(tokens)
+    if not n:
+        return NO_PATHS
+    on_path = np.zeros((n + 1, n), dtype=bool)  # [row, node - 1]
+    for i, parent in enumerate(parents, start=1):  # a parent's row comes before its children's
+        on_path[i] = on_path[parent]
+        on_path[i, i - 1] = True
+    rows, nodes = np.nonzero(on_path)
+    keys, counts = np.unique((rows.astype(np.int64) << 32) | np.asarray(tokens, dtype=np.int64)[nodes],
+                             return_counts=True)
+    return np.stack([keys >> 32, keys & 0xFFFFFFFF, counts]).astype(np.int64)
 
 
 def penalized_logits(jobs: list[dict], logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -115,8 +104,9 @@ def penalized_logits(jobs: list[dict], logits: torch.Tensor, vocab_size: int) ->
     out = logits.float().clone()
     for job in penalized:
         s, rows = job["s"], job["logits"]
-        paths = tree_paths(job["tokens"], job["parents"]) if job["kind"] == "verify" else [[]]
-        session_penalties(s, vocab_size, logits.device).apply_(out[rows], logits[rows], paths)
+        pen = session_penalties(s, vocab_size, logits.device)
+        paths = path_counts(job["tokens"], job["parents"]) if job["kind"] == "verify" and pen.penalizes else NO_PATHS
+        out[rows] = pen.apply(logits[rows], paths)
     return out
 
 
