@@ -23,7 +23,7 @@ from aiohttp import web
 
 from ddtree.v1 import generation_pb2 as pb
 from gateway.config import GatewayConfig
-from gateway.openai_api import chat_request, choice_count, completion_request, openai_param, stream_flags
+from gateway.openai_api import chat_request, choice_count, completion_request, echo_flags, openai_param, stream_flags
 from gateway.openai_response import OpenAIResponse, merged_response, usage_event
 from gateway.pipeline import Gateway
 from gateway.validation import choice_jobs, prompt_ids, to_job
@@ -144,8 +144,11 @@ class Handlers:
         if self.lifecycle.draining:
             raise Unavailable("server is draining")
         request_id = job.request.request_id
-        outs = [OpenAIResponse(chat, request_id, model, self.gateway.tokenizer, req.return_logprobs, index=i)
-                for i in range(n)]
+        echo, prompt_only = (False, False) if chat else echo_flags(body)
+        ids = list(job.request.prompt_ids)
+        echoed = (ids, req.text if req.WhichOneof("input") == "text" else self.gateway.tokenizer.decode(ids))
+        outs = [OpenAIResponse(chat, request_id, model, self.gateway.tokenizer, req.return_logprobs, index=i,
+                               echo=echoed if echo else None, prompt_only=prompt_only) for i in range(n)]
         self.lifecycle.enter()
         try:
             timeout = self.gateway.config.default_timeout_s

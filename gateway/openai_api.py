@@ -11,7 +11,9 @@ Tools: `tools` go to the chat template, the model's calls come back as `tool_cal
 the verifier, exactly as plain decoding would. `n` > 1 runs n generations (choice i seeded with seed + i).
 Parameters that are not implemented (best_of, forced tool choice, JSON response_format) are refused by name rather
 than ignored. `logprobs` (completions: n alternatives) and
-`top_logprobs` (chat) come from the verifier, up to 20 alternatives.
+`top_logprobs` (chat) come from the verifier, up to 20 alternatives. Completions' `echo` returns the prompt before
+the completion, and with `logprobs` each prompt token's (`GenerateRequest.prompt_logprobs`); `echo` with
+`max_tokens` 0 returns the prompt alone (one token is generated to end the request, not returned).
 """
 
 from __future__ import annotations
@@ -131,8 +133,18 @@ def completion_request(body: dict) -> pb.GenerateRequest:
     logprobs = _int(body, "logprobs")  # n: the sampled token's logprob and the n most likely at its position
     req.return_logprobs = logprobs is not None
     req.top_logprobs = logprobs or 0
-    _sampling_and_stopping(body, req)
+    echo, prompt_only = echo_flags(body)
+    req.prompt_logprobs = echo and req.return_logprobs
+    _sampling_and_stopping({k: v for k, v in body.items() if k != "echo"}, req)
+    if prompt_only:  # the prompt's logprobs alone (lm-eval's loglikelihood): one token generated, not returned
+        req.stopping.max_new_tokens = 1
     return req
+
+
+def echo_flags(body: dict) -> tuple[bool, bool]:
+    """Completions' (`echo`, whether only the prompt comes back: `echo` with `max_tokens` 0)."""
+    echo = _get(body, "echo", bool, "a boolean", False)
+    return echo, echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
 
 
 def _content(message: dict, i: int) -> str:

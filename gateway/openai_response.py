@@ -20,8 +20,12 @@ class OpenAIResponse:
     choices. Extensions: `spec_stats` beside `usage` (DDTree's
     per-request speculation summary) and vLLM's `stop_reason` (the matched stop string or token id)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, index: int = 0):
+    def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, index: int = 0,
+                 echo: tuple[list[int], str] | None = None, prompt_only: bool = False):
+        """echo (completions): the prompt's ids and text, returned before the completion (with their logprobs, which
+        the first chunk carries); prompt_only: the completion itself is not returned (`max_tokens` 0)."""
         self.chat, self.model, self.tok = chat, model, tokenizer
+        self.echo, self.prompt_only = echo, prompt_only
         self.request_id = request_id
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
@@ -51,15 +55,39 @@ class OpenAIResponse:
             return {"content": [{**self._entry(t, lp), "top_logprobs": [] if top is None else [
                 self._entry(i, v) for i, v in zip(top.token_ids, top.logprobs)]}
                 for t, lp, top in zip(chunk.token_ids, chunk.logprobs, tops)]}
-        tokens = [self.tok.decode([t]) for t in chunk.token_ids]
+        return self._completion_logprobs(chunk.token_ids, list(chunk.logprobs), chunk.top_logprobs)
+
+    def _completion_logprobs(self, ids, logprobs: list, tops) -> dict:
+        tokens = [self.tok.decode([t]) for t in ids]
         offsets = []
         for s in tokens:
             offsets.append(self.offset)
             self.offset += len(s)
-        alternatives = None if not chunk.top_logprobs else [
-            {self.tok.decode([i]): v for i, v in zip(top.token_ids, top.logprobs)} for top in chunk.top_logprobs]
-        return {"tokens": tokens, "token_logprobs": list(chunk.logprobs), "top_logprobs": alternatives,
-                "text_offset": offsets}
+        alternatives = None if not tops else [
+            None if top is None else {self.tok.decode([i]): v for i, v in zip(top.token_ids, top.logprobs)}
+            for top in tops]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": alternatives, "text_offset": offsets}
+
+    def _completion_part(self, chunk: pb.Chunk) -> tuple[str, dict | None]:
+        """Completions: one chunk's text and logprobs, the echoed prompt first (with the first chunk; its first
+        token has no logprob, as OpenAI's); without the completion when only the prompt is asked for."""
+        parts = []
+        if self.echo is not None:
+            ids, text = self.echo
+            self.echo = None
+            first = [None] if chunk.prompt_top_logprobs else None
+            parts.append((text, self._completion_logprobs(ids, [None, *chunk.prompt_logprobs],
+                                                          first and first + list(chunk.prompt_top_logprobs))
+                          if self.logprobs else None))
+        if not self.prompt_only:
+            parts.append((chunk.text, self._logprobs(chunk)))
+        lps = [lp for _, lp in parts if lp is not None]
+        if not lps:
+            return "".join(t for t, _ in parts), None
+        joined = {k: [x for lp in lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
+        tops = [lp["top_logprobs"] or [None] * len(lp["tokens"]) for lp in lps]
+        joined["top_logprobs"] = [x for t in tops for x in t] if any(lp["top_logprobs"] for lp in lps) else None
+        return "".join(t for t, _ in parts), joined
 
     def _tool_calls(self, chunk: pb.Chunk) -> list[dict]:
         """The chunk's calls in OpenAI's shape, each stream delta numbered across the response (`index`)."""
@@ -76,7 +104,10 @@ class OpenAIResponse:
         return {"finish_reason": reason, "stop_reason": stop}
 
     def _usage_and_stats(self, final: pb.Final) -> dict:
-        u = final.usage
+        u = pb.Usage()
+        u.CopyFrom(final.usage)
+        if self.prompt_only:
+            u.completion_tokens = 0  # generated to end the request, not returned
         stats = json_format.MessageToDict(final.spec_stats, preserving_proto_field_name=True,
                                           always_print_fields_with_no_presence=True)
         stats["mode"] = pb.SpecMode.Name(final.spec_stats.mode).removeprefix("SPEC_MODE_").lower()
@@ -96,15 +127,18 @@ class OpenAIResponse:
     def chunk(self, chunk: pb.Chunk) -> dict | None:
         """A streamed event for one chunk; None when it carries nothing to show (text held back, no logprobs).
         Chat puts the model's thinking in `reasoning_content` (vLLM's and DeepSeek's name), the answer in `content`."""
+        if not self.chat:
+            text, logprobs = self._completion_part(chunk)
+            if not text and not (logprobs and logprobs["tokens"]):
+                return None
+            return self._envelope([{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None}],
+                                  True)
         if not (chunk.text or chunk.reasoning_text or chunk.tool_calls or (self.logprobs and chunk.token_ids)):
             return None
-        if self.chat:
-            delta = {"reasoning_content": chunk.reasoning_text} if chunk.reasoning_text else {}
-            if chunk.tool_calls:
-                delta["tool_calls"] = self._tool_calls(chunk)
-            body = {"delta": {**delta, "content": chunk.text} if chunk.text or not delta else delta}
-        else:
-            body = {"text": chunk.text}
+        delta = {"reasoning_content": chunk.reasoning_text} if chunk.reasoning_text else {}
+        if chunk.tool_calls:
+            delta["tool_calls"] = self._tool_calls(chunk)
+        body = {"delta": {**delta, "content": chunk.text} if chunk.text or not delta else delta}
         return self._envelope([{"index": self.index, **body, "logprobs": self._logprobs(chunk), "finish_reason": None}],
                               True)
 
@@ -119,10 +153,14 @@ class OpenAIResponse:
         if msg.HasField("final"):
             self.final = msg.final
             return
-        self.texts.append(msg.chunk.text)
-        self.reasoning.append(msg.chunk.reasoning_text)
-        self._tool_calls(msg.chunk)
-        lp = self._logprobs(msg.chunk)
+        if self.chat:
+            self.texts.append(msg.chunk.text)
+            self.reasoning.append(msg.chunk.reasoning_text)
+            self._tool_calls(msg.chunk)
+            lp = self._logprobs(msg.chunk)
+        else:
+            text, lp = self._completion_part(msg.chunk)
+            self.texts.append(text)
         if lp is not None:
             self.lps.append(lp)
 

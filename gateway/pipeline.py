@@ -124,7 +124,9 @@ class Gateway:
             reasoning, text, calls, matched = out.feed(c.token_ids)
             yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=c.token_ids, text=text, logprobs=c.logprobs,
                                                      num_verify_steps=c.num_verify_steps, reasoning_text=reasoning,
-                                                     tool_calls=calls, top_logprobs=c.top_logprobs))
+                                                     tool_calls=calls, top_logprobs=c.top_logprobs,
+                                                     prompt_logprobs=c.prompt_logprobs,
+                                                     prompt_top_logprobs=c.prompt_top_logprobs))
             if matched is not None:
                 spec = await self._stop_generation(job, call)
                 yield pb.GenerateResponse(final=pb.Final(

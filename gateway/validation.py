@@ -132,7 +132,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
-            return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs),
+            return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs),
         stops=tuple(req.stopping.stop), think=tok.think_tokens if chat else None,
         tools=tok.tool_call_tokens if chat else None)
 

@@ -201,6 +201,31 @@ def test_prefix_cache_reuses_prompt_and_output_pages_losslessly(idle, tiny_ckpt)
         _recomputed_greedy(model, turn, n, nxt.ids)
 
 
+def test_prompt_logprobs_equal_the_models_prefill(idle, ar_refs, tiny_ckpt):
+    """prompt_logprobs: each prompt token's log-probability (and top-3) from the served verifier, over 32-token
+    prefill chunks, against one in-process prefill of the whole prompt; the prompt is prefilled again even when
+    cached, and the generated tokens stay AR's."""
+    import torch
+    from model_fixtures import load_model, new_cache, one_thread, prefill
+
+    prompt = PROMPTS[2]  # 45 tokens; ar_refs cached its first two pages
+    req = gen_request(prompt, 8, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    req.prompt_logprobs, req.return_logprobs, req.top_logprobs = True, True, 3
+    chunks = [m.chunk for m in idle.generation.Generate(req, timeout=60) if m.HasField("chunk")]
+    final = generate(idle.generation, gen_request(prompt, 1)).final
+    assert final.usage.cached_prompt_tokens == 32  # the cache serves other requests of this prompt
+    got, tops = list(chunks[0].prompt_logprobs), list(chunks[0].prompt_top_logprobs)
+    assert all(not c.prompt_logprobs for c in chunks[1:]) and len(got) == len(tops) == len(prompt) - 1
+    assert [t for c in chunks for t in c.token_ids] == ar_refs[2].ids[:8]
+    with one_thread():
+        model = load_model(tiny_ckpt)
+        lsm = torch.log_softmax(prefill(model, new_cache(model), "ref", prompt).logits.float(), -1)  # [45, V]
+    want = lsm[:-1].gather(-1, torch.tensor(prompt[1:]).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
+    best = lsm[:-1].topk(3, dim=-1)
+    torch.testing.assert_close(torch.tensor([list(t.logprobs) for t in tops]), best.values, atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
 def test_sixteen_concurrent_mixed_streams_equal_solo(idle):
     modes = [(pb.SPEC_MODE_AR, None), (pb.SPEC_MODE_CHAIN, None), (pb.SPEC_MODE_DDTREE, 1),

@@ -198,6 +198,44 @@ def test_completions_penalties_and_logit_bias_equal_grpc(idle, client):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completions_echo_with_logprobs(idle, client, stream):
+    """lm-eval's loglikelihood request (`echo`, `logprobs`, `max_tokens` 0): the prompt comes back with each token's
+    log-probability (the first has none) equal to one in-process prefill of it; with `max_tokens` N the completion
+    follows, as gRPC AR gives it."""
+    import torch
+    from model_fixtures import load_model, new_cache, one_thread, prefill
+
+    tok = KimiTokenizer.from_dir(idle.model)
+    kwargs = dict(model=client.models.list().data[0].id, prompt=PROMPTS[2], echo=True, logprobs=2, extra_body=DDTREE)
+
+    def complete(**more):
+        if not stream:
+            r = client.completions.create(**kwargs, **more)
+            return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.choices[0].logprobs.top_logprobs, r.usage
+        events = list(client.completions.create(**kwargs, **more, stream=True, stream_options={"include_usage": True}))
+        choices = [c for e in events for c in e.choices]
+        lps = [c.logprobs for c in choices if c.logprobs]
+        return ("".join(c.text for c in choices), [x for lp in lps for x in lp.token_logprobs],
+                [x for lp in lps for x in lp.top_logprobs], events[-1].usage)
+
+    text, logprobs, tops, usage = complete(max_tokens=0)
+    assert text == tok.decode(PROMPTS[2]) and usage.completion_tokens == 0 and usage.prompt_tokens == len(PROMPTS[2])
+    assert logprobs[0] is None and tops[0] is None and len(logprobs) == len(tops) == len(PROMPTS[2])
+    with one_thread():
+        model = load_model(idle.model)
+        lsm = torch.log_softmax(prefill(model, new_cache(model), "ref", PROMPTS[2]).logits.float(), -1)
+    want = lsm[:-1].gather(-1, torch.tensor(PROMPTS[2][1:]).unsqueeze(-1)).squeeze(-1)
+    assert logprobs[1:] == pytest.approx(want.tolist(), abs=1e-4)
+    assert all(len(t) == 2 and max(t.values()) >= lp - 1e-6 for t, lp in zip(tops[1:], logprobs[1:]))
+    req = pb.GenerateRequest()
+    req.token_ids.ids.extend(PROMPTS[2])
+    ref = grpc_ar(idle, req, 12)
+    text, logprobs, _, usage = complete(max_tokens=12)
+    assert text == tok.decode(PROMPTS[2]) + ref.text and usage.completion_tokens == 12
+    assert len(logprobs) == len(PROMPTS[2]) + 12
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_stop_string_truncates_like_grpc(idle, client, stream):
     ref = grpc_ar(idle, gen_request(PROMPTS[3], N))
     stop = next(ref.text[i:i + 2] for i in range(5, len(ref.text) - 2) if ref.text[i:i + 2].strip())

@@ -88,7 +88,7 @@ def test_penalties_and_logit_bias_fields(tok):
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "spec_mode": "eagle"}, "spec_mode"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": 1}, "echo"),
     ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
     ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty"),
     ({"prompt": "x", "logit_bias": [5, 100]}, "logit_bias"),

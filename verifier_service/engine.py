@@ -26,7 +26,7 @@ from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
-from verifier_service.stepping import accept_session, fetch_outputs, first_token, top_logprobs
+from verifier_service.stepping import accept_session, fetch_outputs, first_token, prompt_logprobs, top_logprobs
 
 log = get_logger("verifier.engine")
 # A step's feature rows are read back whole (with the argmax, one sync) up to this size; above it only
@@ -143,7 +143,8 @@ class Engine:
                                     error_code="RESOURCE_EXHAUSTED"))
                 break
             self.waiting.popleft()
-            s.skip_cached(self.table.open(s.id, s.prompt))
+            # prompt logprobs need every prompt row's logits: no prefix reuse then
+            s.skip_cached(self.table.open(s.id, None if s.params.prompt_logprobs else s.prompt))
             metrics.observe_prefix_cache(len(s.prompt), s.cached_tokens)
             self.reserved[s.id] = need
             self.active[s.id] = s
@@ -205,8 +206,10 @@ class Engine:
             slots = self.table.extend(s.id, len(chunk))
             seqs.append(SeqRows(chunk, chain_parents(len(chunk)), start, self.table.pages(s.id), slots))
             last = start + len(chunk) == len(s.prompt)
+            logit_rows = (range(row, row + len(chunk)) if s.params.prompt_logprobs
+                          else [row + len(chunk) - 1] if last else [])
             jobs.append(dict(kind="prefill", s=s, start=start, n=len(chunk), rows=range(row, row + len(chunk)),
-                             logit_rows=[row + len(chunk) - 1] if last else []))
+                             logit_rows=logit_rows))
             row += len(chunk)
         return seqs, jobs
 
@@ -233,16 +236,18 @@ class Engine:
             if job["kind"] == "prefill":
                 if features and s.features_on:
                     keep.append((s, job["start"], job["rows"]))
+                if s.params.prompt_logprobs:
+                    prompt_logprobs(s, job["start"], out.logits[lr])
                 s.prefilled += job["n"]
-                if s.prefilled == len(s.prompt):  # its prompt's full pages serve later requests from now on
-                    self.table.publish(s.id, s.prompt)
-                if lr.stop > lr.start:
+                if s.prefilled == len(s.prompt):  # the last chunk: its last logit row gives the first token
+                    self.table.publish(s.id, s.prompt)  # its prompt's full pages serve later requests from now on
+                    last = lr.stop - 1
                     if greedy_rows:
-                        token = host.argmax[lr.start]
-                        logprob = host.logprobs[lr.start] if s.params.return_logprobs else 0.0
+                        token = host.argmax[last]
+                        logprob = host.logprobs[last] if s.params.return_logprobs else 0.0
                     else:
-                        token, logprob = first_token(s, scores[lr.start], out.logits[lr.start])
-                    tops = top_logprobs(out.logits[lr.start:lr.start + 1], [0], s.params.top_logprobs)
+                        token, logprob = first_token(s, scores[last], out.logits[last])
+                    tops = top_logprobs(out.logits[last:last + 1], [0], s.params.top_logprobs)
                     emits.append((s, [token], [logprob], tops, 0))
                 continue
             position = self.table.length(s.id)
@@ -306,8 +311,10 @@ class Engine:
     def _publish(self, s: Session, kept: list[int], reason, stop_id, logprobs: list[float], tops: list,
                  steps: int) -> None:
         lp = logprobs[: len(kept)] if s.params.return_logprobs else []
-        if kept or reason is None:
-            s.emit(Emission(kept, lp, steps, top_logprobs=tops[: len(kept)]))
+        if kept or reason is None or s.prompt_logprobs:  # the first emission carries the prompt's logprobs
+            s.emit(Emission(kept, lp, steps, top_logprobs=tops[: len(kept)], prompt_logprobs=s.prompt_logprobs,
+                            prompt_top_logprobs=s.prompt_top_logprobs))
+            s.prompt_logprobs, s.prompt_top_logprobs = [], []
         if reason is not None:
             self._finish(s, Emission([], [], 0, finish_reason=reason, matched_stop_token_id=stop_id))
 

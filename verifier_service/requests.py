@@ -55,4 +55,4 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(s.logit_bias.items())))
+        logit_bias=tuple(sorted(s.logit_bias.items())), prompt_logprobs=req.prompt_logprobs)

@@ -56,7 +56,9 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
                     return
                 yield vpb.VerifierGenerateResponse(chunk=vpb.TokenChunk(
                     token_ids=e.token_ids, logprobs=e.logprobs, num_verify_steps=e.verify_steps,
-                    top_logprobs=[pb.TopLogprobs(token_ids=i, logprobs=v) for i, v in e.top_logprobs]))
+                    top_logprobs=[pb.TopLogprobs(token_ids=i, logprobs=v) for i, v in e.top_logprobs],
+                    prompt_logprobs=e.prompt_logprobs,
+                    prompt_top_logprobs=[pb.TopLogprobs(token_ids=i, logprobs=v) for i, v in e.prompt_top_logprobs]))
         finally:
             if not session.finished:
                 self.engine.cancel(session.id)  # client gone or deadline: free pages within one step

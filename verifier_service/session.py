@@ -31,6 +31,7 @@ class GenParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    prompt_logprobs: bool = False  # the logprob of each prompt token after the first (and top_logprobs of them)
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +55,8 @@ class Emission:
     error: str | None = None  # the generation failed (finish_reason is then FINISH_REASON_UNSPECIFIED)
     error_code: str = "INTERNAL"  # grpc.StatusCode name for `error`
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token: (ids, logprobs)
+    prompt_logprobs: list[float] = field(default_factory=list)  # the first emission only, see GenParams
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 class FeatureRing:
@@ -149,6 +152,8 @@ class Session:
     emitted: int = 0
     output: list[int] = field(default_factory=list)  # the emitted tokens
     cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[float] = field(default_factory=list)  # collected chunk by chunk, sent with the first token
+    prompt_top_logprobs: list = field(default_factory=list)
     drafter_len: int = 0  # feature rows the drafter is believed to hold
     drafter_replica: str | None = None
     needs_reset: bool = False

@@ -81,6 +81,19 @@ def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[li
     return list(zip(ids.tolist(), values.tolist()))
 
 
+def prompt_logprobs(s: Session, start: int, logits: torch.Tensor) -> None:
+    """A prefill chunk's logit rows [n, V] (prompt positions start ..) -> the logprob of the prompt token each row
+    predicts, and its top_logprobs alternatives, appended to the session's; the prompt's last row predicts the
+    first output token, not a prompt token, and adds none."""
+    targets = s.prompt[start + 1: start + logits.shape[0] + 1]
+    if not targets:
+        return
+    rows = logits[: len(targets)].float()
+    lsm = torch.log_softmax(rows, dim=-1)
+    s.prompt_logprobs += lsm.gather(-1, torch.tensor(targets, device=lsm.device).unsqueeze(-1)).squeeze(-1).tolist()
+    s.prompt_top_logprobs += top_logprobs(rows, list(range(len(targets))), s.params.top_logprobs)
+
+
 def first_token(s: Session, logits: torch.Tensor, raw: torch.Tensor | None = None) -> tuple[int, float]:
     """The token after the prompt, from the prefill's last row (output index 0); its logprob under `raw`."""
     token = target_tokens(s, logits.unsqueeze(0), [0])[0]
