@@ -34,4 +34,5 @@ def check_sampling(s: pb.SamplingParams, vocab_size: int) -> None:
         if not 0 <= token < vocab_size:
             raise InvalidArgument(f"sampling.logit_bias[{token}]", f"token id outside [0, {vocab_size})")
         if not -MAX_BIAS <= bias <= MAX_BIAS:
-            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+            raise InvalidArgument(f"sampling.logit_bias[{token}]",
+                                  f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")

@@ -236,19 +236,7 @@ class Engine:
             if job["kind"] == "prefill":
                 if features and s.features_on:
                     keep.append((s, job["start"], job["rows"]))
-                if s.params.prompt_logprobs:
-                    prompt_logprobs(s, job["start"], out.logits[lr])
-                s.prefilled += job["n"]
-                if s.prefilled == len(s.prompt):  # the last chunk: its last logit row gives the first token
-                    self.table.publish(s.id, s.prompt)  # its prompt's full pages serve later requests from now on
-                    last = lr.stop - 1
-                    if greedy_rows:
-                        token = host.argmax[last]
-                        logprob = host.logprobs[last] if s.params.return_logprobs else 0.0
-                    else:
-                        token, logprob = first_token(s, scores[last], out.logits[last])
-                    tops = top_logprobs(out.logits[last:last + 1], [0], s.params.top_logprobs)
-                    emits.append((s, [token], [logprob], tops, 0))
+                emits += self._prefilled(s, job, out, scores, host)
                 continue
             position = self.table.length(s.id)
             walk, logprobs = accept_session(
@@ -268,8 +256,8 @@ class Engine:
         ends = [(s, *self._settle(s, tokens), logprobs, tops, steps) for s, tokens, logprobs, tops, steps in emits]
         if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
             ready = [s for s, _, reason, *_ in ends if reason is None]
-            chunked = [job["s"] for job in live if job["kind"] == "prefill" and not job["logit_rows"]
-                       and features and job["s"].features_on]  # mid-prompt: these rows go ahead
+            chunked = [s for s in (job["s"] for job in live if job["kind"] == "prefill")
+                       if s.prefilled < len(s.prompt) and features and s.features_on]  # mid-prompt: rows go ahead
             sent = self.drafting.send(ready + chunked, {s.id: (position, rows) for s, position, rows in kept},
                                       ahead={s.id: s.prompt[s.prefilled] for s in chunked})
             if sent is not None:
@@ -281,6 +269,24 @@ class Engine:
             self.cache.commit_many(commits)
         for s, kept, reason, stop_id, logprobs, tops, steps in ends:
             self._publish(s, kept, reason, stop_id, logprobs, tops, steps)
+
+    def _prefilled(self, s: Session, job: dict, out, scores: torch.Tensor, host) -> list[tuple]:
+        """A prefill chunk's rows are in: its prompt logprobs if asked for, and after the prompt's last chunk the
+        first token, from that chunk's last logit row -> [its emit] (none before the last chunk)."""
+        lr = job["logits"]
+        if s.params.prompt_logprobs:
+            prompt_logprobs(s, job["start"], out.logits[lr])
+        s.prefilled += job["n"]
+        if s.prefilled < len(s.prompt):
+            return []
+        self.table.publish(s.id, s.prompt)  # its prompt's full pages serve later requests from now on
+        last = lr.stop - 1
+        if host.argmax is not None and s.params.greedy:
+            token = host.argmax[last]
+            logprob = host.logprobs[last] if s.params.return_logprobs else 0.0
+        else:
+            token, logprob = first_token(s, scores[last], out.logits[last])
+        return [(s, [token], [logprob], top_logprobs(out.logits[last:last + 1], [0], s.params.top_logprobs), 0)]
 
     @staticmethod
     def _kept_features(keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> list:
