@@ -6,11 +6,11 @@ Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_to
 `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
 `tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
-"tool_calls", gateway/tool_calls.py); `tool_choice` "auto" or "none" only. `presence_penalty`,
+"tool_calls", gateway/tool_calls.py); `tool_choice` "auto", "none", "required" or a named function (the answer
+then starts with that call: the verifier forces its opening tokens, the arguments are the model's). `presence_penalty`,
 `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) change the target's distribution on
 the verifier, exactly as plain decoding would. `n` > 1 runs n generations (choice i seeded with seed + i).
-Parameters that are not implemented (best_of, forced tool choice, JSON response_format) are refused by name rather
-than ignored. `logprobs` (completions: n alternatives) and
+Parameters that are not implemented (best_of, JSON response_format) are refused by name rather than ignored. `logprobs` (completions: n alternatives) and
 `top_logprobs` (chat) come from the verifier, up to 20 alternatives. Completions' `echo` returns the prompt before
 the completion, and with `logprobs` each prompt token's (`GenerateRequest.prompt_logprobs`); `echo` with
 `max_tokens` 0 returns the prompt alone (one token is generated to end the request, not returned).
@@ -29,6 +29,7 @@ SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.S
 # each would change what is sampled, or how many answers come back.
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "response_format": None}
 MAX_CHOICES = 16  # `n`: independent generations of one request
+TOOL_CHOICES = ("auto", "none", "required")
 CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatMessages' fields of these names
 INT32 = 2**31
 
@@ -175,17 +176,23 @@ def _tool_calls(message: dict, i: int) -> list[pb.ToolCall]:
 
 
 def _tools(body: dict, req: pb.GenerateRequest) -> None:
-    """`tools` for the chat template, unless `tool_choice` is "none"."""
+    """`tools` for the chat template (unless `tool_choice` is "none"); `tool_choice` "required" or
+    {"type": "function", "function": {"name": ...}} makes the answer start with a call (ChatMessages.tool_choice)."""
     tools = _get(body, "tools", list, "a list of tool definitions", [])
     for j, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function" \
                 or not isinstance(t.get("function"), dict):
             raise InvalidArgument(f"tools[{j}]", "must be {\"type\": \"function\", \"function\": {...}}")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise InvalidArgument("tool_choice", "only \"auto\" and \"none\" are supported")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str) and choice["function"]["name"] not in TOOL_CHOICES:
+        choice = choice["function"]["name"]
+    elif choice is not None and choice not in TOOL_CHOICES:
+        raise InvalidArgument("tool_choice", 'must be "auto", "none", "required" or {"type": "function", '
+                                             '"function": {"name": ...}}')
     if tools and choice != "none":
         req.chat.tools_json = json.dumps(tools)
+    req.chat.tool_choice = choice if choice not in (None, "auto") else ""
 
 
 def chat_request(body: dict) -> pb.GenerateRequest:

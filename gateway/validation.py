@@ -53,7 +53,7 @@ def prompt_ids(req: pb.GenerateRequest, tok: KimiTokenizer) -> list[int]:
         if m.role not in ("system", "user", "assistant", "tool"):
             raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {m.role!r}")
     kwargs = {name: getattr(req.chat, name) for name in ("thinking", "preserve_thinking") if req.chat.HasField(name)}
-    if req.chat.tools_json:
+    if req.chat.tools_json and req.chat.tool_choice != "none":
         kwargs["tools"] = _tools(req.chat.tools_json)
     messages = [_message(m) for m in req.chat.messages]
     try:
@@ -70,6 +70,27 @@ def _tools(text: str) -> list:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidArgument("chat.tools_json", "must be a JSON list of tool definitions (objects)")
     return tools
+
+
+def forced_tool_call(chat: pb.ChatMessages, tok: KimiTokenizer, prompt: list[int]) -> tuple[list[int], int | None]:
+    """chat.tool_choice -> the ids the answer must start with ("required": a tool call's opening markers; a name:
+    that function's call up to its arguments) and the id they follow (</think> when the prompt opens a thinking
+    block; None: from the first token). ([], None) when the model decides."""
+    choice = chat.tool_choice
+    if choice in ("", "auto", "none"):
+        return [], None
+    tools = _tools(chat.tools_json) if chat.tools_json else []
+    marks = tok.tool_call_tokens
+    if not tools or marks is None:
+        raise InvalidArgument("chat.tool_choice", "needs tools (chat.tools_json) and a model with tool-call tokens")
+    forced = [marks.section_begin, marks.call_begin]
+    if choice != "required":
+        names = [t.get("function", {}).get("name") for t in tools]
+        if choice not in names:
+            raise InvalidArgument("chat.tool_choice", f"{choice!r} is none of the tools' names {names}")
+        forced += tok.encode(f"functions.{choice}:0") + [marks.argument_begin]
+    think = tok.think_tokens
+    return forced, think.end if think is not None and prompt and prompt[-1] == think.start else None
 
 
 def _message(m: pb.ChatMessage) -> dict:
@@ -127,8 +148,9 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     if len(ids) >= limits.max_context:
         raise InvalidArgument("input", f"prompt of {len(ids)} tokens does not fit the context limit "
                                        f"{limits.max_context} (one token must remain for generation)")
+    forced, after = forced_tool_call(req.chat, tok, ids) if chat else ([], None)
     return Job(
-        request=vpb.VerifierGenerateRequest(
+        request=vpb.VerifierGenerateRequest(forced_ids=forced, forced_after_id=after,
             request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,

@@ -223,3 +223,26 @@ def test_penalties_inside_accepted_paths(scripted, drafter, mode, budget):
     check_same(got, refs, n, f"penalized {pb.SpecMode.Name(mode)}")
     assert drafter.record.violations == [], drafter.record.violations[:5]
     assert len(histogram(got)) >= 6, f"long penalized acceptances expected: {histogram(got)}"
+
+
+def test_forced_tool_call_inside_accepted_paths(scripted, drafter):
+    """tool_choice with drafts accepted through the forced window: each tree row is forced (or not) by its own
+    path, so DDTree gives AR's tokens; the scripted trees also offer wrong tokens there, which the target rejects."""
+    import json
+
+    st, _ = scripted
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    def chat(mode, budget=None, n=40):
+        req = gen_request("", n, mode=mode, budget=budget)
+        req.ClearField("input")
+        req.chat.messages.add(role="user", content="Weather in Paris, please.")
+        req.chat.tools_json, req.chat.tool_choice, req.chat.thinking = json.dumps(tools), "get_weather", False
+        return req
+
+    ref = generate(st.generation, chat(pb.SPEC_MODE_AR, n=48))
+    req = chat(pb.SPEC_MODE_DDTREE, 16)
+    drafter.expect(req.request_id, ref.final.usage.prompt_tokens, ref.ids)
+    got = generate(st.generation, req)
+    assert got.ids == ref.ids[:40], first_difference(got.ids, ref.ids[:40])
+    assert got.final.spec_stats.accepted_draft_tokens > 10 and drafter.record.violations == []

@@ -226,6 +226,43 @@ def test_prompt_logprobs_equal_the_models_prefill(idle, ar_refs, tiny_ckpt):
     torch.testing.assert_close(torch.tensor([list(t.logprobs) for t in tops]), best.values, atol=1e-4, rtol=0)
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _tool_chat(choice: str, thinking: bool, mode: int, budget: int | None = None, bias: dict | None = None):
+    import json
+
+    req = gen_request("", 24, mode=mode, budget=budget)
+    req.ClearField("input")
+    req.chat.messages.add(role="user", content="What is the weather in Paris?")
+    req.chat.tools_json, req.chat.tool_choice, req.chat.thinking = json.dumps(WEATHER), choice, thinking
+    req.sampling.logit_bias.update(bias or {})
+    return req
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["instant", "thinking"])
+def test_tool_choice_forces_the_call_losslessly(idle, tiny_ckpt, thinking):
+    """tool_choice "get_weather" / "required": the answer (after </think>, which a bias makes the thinking model
+    write first) starts with the call's opening tokens, and DDTree and chain give AR's tokens."""
+    from gateway.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_dir(tiny_ckpt)
+    marks = [tok.encode(m, allow_special=True)[0] for m in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                                                             "<|tool_call_argument_begin|>")]
+    end = tok.encode("</think>", allow_special=True)[0]
+    bias = {end: 100.0} if thinking else {}
+    head = [end] if thinking else []
+    named = head + marks[:2] + tok.encode("functions.get_weather:0") + marks[2:]
+    for choice, want in (("get_weather", named), ("required", head + marks[:2])):
+        ar = generate(idle.generation, _tool_chat(choice, thinking, pb.SPEC_MODE_AR, bias=bias)).ids
+        assert ar[:len(want)] == want, (choice, ar[:len(want) + 2], want)
+        for mode, budget in ((pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)):
+            got = generate(idle.generation, _tool_chat(choice, thinking, mode, budget, bias)).ids
+            assert got == ar, f"{choice} {pb.SpecMode.Name(mode)}: {first_difference(got, ar)}"
+    free = generate(idle.generation, _tool_chat("auto", thinking, pb.SPEC_MODE_AR, bias=bias)).ids
+    assert free[:len(named)] != named
+
+
 @pytest.mark.slow
 def test_sixteen_concurrent_mixed_streams_equal_solo(idle):
     modes = [(pb.SPEC_MODE_AR, None), (pb.SPEC_MODE_CHAIN, None), (pb.SPEC_MODE_DDTREE, 1),
@@ -303,10 +340,10 @@ def _text(text):
     return lambda req, info: setattr(req, "text", text)
 
 
-def _chat_tools(tools_json):
+def _chat_tools(tools_json, tool_choice=""):
     def set_chat(req, info):
         req.chat.messages.add(role="user", content="hi")
-        req.chat.tools_json = tools_json
+        req.chat.tools_json, req.chat.tool_choice = tools_json, tool_choice
     return set_chat
 
 
@@ -347,6 +384,9 @@ BAD_INPUT = {
     "top_logprobs 21": (_bad(top_logprobs=(True, 21)), "top_logprobs"),
     "top_logprobs -1": (_bad(top_logprobs=(True, -1)), "top_logprobs"),
     "top_logprobs without logprobs": (_bad(top_logprobs=(False, 3)), "top_logprobs"),
+    "tool_choice of no tool": (_bad(input=_chat_tools('[{"type": "function", "function": {"name": "a"}}]', "b")),
+                               "chat.tool_choice"),
+    "tool_choice without tools": (_bad(input=_chat_tools("", "required")), "chat.tool_choice"),
 }
 
 

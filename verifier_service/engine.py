@@ -23,6 +23,7 @@ from service_kit import busy_poll
 from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
+from verifier_service.forcing import forced_logits
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
@@ -226,7 +227,8 @@ class Engine:
         greedy = [job for job in live if job["logit_rows"] and job["s"].params.greedy]
         features = out.hidden.shape[-1] > 0 and any(job["s"].features_on for job in live)
         eager = features and out.hidden.numel() * out.hidden.element_size() <= HIDDEN_FETCH_BYTES
-        scores = penalized_logits(live, out.logits, self.runner.cfg.vocab_size)  # what the target chooses from
+        # what the target chooses from: its logits with the sessions' bias, penalties and forced tokens
+        scores = forced_logits(live, penalized_logits(live, out.logits, self.runner.cfg.vocab_size), out.logits)
         host = fetch_outputs(scores, out.hidden if eager else None, argmax=bool(greedy),
                              logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits)
         commits, keep, emits = [], [], []

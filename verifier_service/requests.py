@@ -11,6 +11,7 @@ from verifier_service.session import AR, CHAIN, DDTREE, GenParams
 
 _MODES = {pb.SPEC_MODE_AR: AR, pb.SPEC_MODE_CHAIN: CHAIN, pb.SPEC_MODE_DDTREE: DDTREE}
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_FORCED = 256
 
 
 def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
@@ -39,6 +40,13 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
     bad = next((t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
         raise InvalidArgument("stop_token_ids", f"{bad} is outside [0, {cfg.vocab_size})")
+    if len(req.forced_ids) > MAX_FORCED:
+        raise InvalidArgument("forced_ids", f"at most {MAX_FORCED} tokens, got {len(req.forced_ids)}")
+    for name, ids in (("forced_ids", req.forced_ids),
+                      ("forced_after_id", [req.forced_after_id] if req.HasField("forced_after_id") else [])):
+        bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(name, f"{bad} is outside [0, {cfg.vocab_size})")
 
 
 def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
@@ -55,4 +63,6 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(s.logit_bias.items())), prompt_logprobs=req.prompt_logprobs)
+        logit_bias=tuple(sorted(s.logit_bias.items())), prompt_logprobs=req.prompt_logprobs,
+        forced_ids=tuple(req.forced_ids),
+        forced_after=req.forced_after_id if req.HasField("forced_after_id") else None)

@@ -32,6 +32,8 @@ class GenParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
     prompt_logprobs: bool = False  # the logprob of each prompt token after the first (and top_logprobs of them)
+    forced_ids: tuple[int, ...] = ()  # the output starts with these after forced_after (verifier_service/forcing.py)
+    forced_after: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,49 @@
+"""Forced output tokens per tree row (verifier_service/forcing.py): hand-checked trees where the trigger is in the
+output, on a path, or nowhere, and the logits each forced row keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from verifier_service.forcing import forced_logits, forced_token, row_forcing
+from verifier_service.session import GenParams, Session
+
+END, FORCED = 5, (7, 8, 9)
+
+
+def session(output: list[int], after: int | None = END) -> Session:
+    s = Session("s", [1, 2, 3], GenParams(forced_ids=FORCED, forced_after=after), emit=print, window=0)
+    s.output = list(output)
+    return s
+
+
+def test_forced_token_follows_the_first_trigger():
+    s = session([])
+    assert [forced_token(s, c) for c in ([], [1], [5], [1, 5], [1, 5, 7], [1, 5, 7, 8], [1, 5, 7, 8, 9])] == \
+        [None, None, 7, 7, 8, 9, None]
+    assert forced_token(s, [5, 7, 8, 9, 5]) is None  # the first trigger counts, once
+    free = session([], after=None)
+    assert [forced_token(free, c) for c in ([], [4], [4, 4], [4, 4, 4])] == [7, 8, 9, None]
+
+
+def test_rows_read_the_trigger_from_their_own_path():
+    # rows: 0 root; 1 = 5 (under root); 2 = 7 (under 1); 3 = 6 (under root); 4 = 8 (under 2); 5 = 5 (under 3)
+    tokens, parents = [5, 7, 6, 8, 5], [0, 1, 0, 2, 3]
+    assert row_forcing(session([1, 2]), tokens, parents) == [(1, 7), (2, 8), (4, 9), (5, 7)]
+    assert row_forcing(session([1, 5]), tokens, parents) == [(0, 7), (1, 8), (2, 9), (3, 8), (5, 9)]
+    assert row_forcing(session([5, 7, 8, 9, 4]), tokens, parents) == []  # the window is behind the output
+    assert row_forcing(session([4], after=None), tokens, parents) == [(0, 8), (1, 9), (3, 9)]
+
+
+def test_forced_rows_keep_one_logit():
+    s = session([1, 5])
+    raw = torch.randn(5, 12)
+    # logit rows 1-4: root, 7 (depth 1), 3 (under 7: depth 2), 8 (under the root: depth 1)
+    job = dict(kind="verify", s=s, tokens=[7, 3, 8], parents=[0, 1, 0], logits=slice(1, 5))
+    out = forced_logits([job], raw, raw)
+    assert out is not raw and torch.equal(out[0], raw[0])
+    for row, token in ((1, 7), (2, 8), (3, 9), (4, 8)):
+        assert out[row].argmax() == token and out[row, token] == raw[row, token]
+        assert torch.isinf(out[row]).sum() == 11
+    plain = Session("p", [1], GenParams(), emit=print, window=0)
+    assert forced_logits([dict(job, s=plain)], raw, raw) is raw

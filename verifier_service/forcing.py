@@ -1,0 +1,71 @@
+"""Forced output tokens (a forced tool call): the output must continue with `forced_ids` right after its first
+`forced_after` token (the end of the thinking block), or from its first token when that is None.
+
+This changes the target distribution at those positions to the forced token, so speculation applies it per row,
+like the penalties: a tree row at depth d predicts output index len(output) + d, and whether and where the trigger
+occurred is read from its own context (the output so far plus its drafted path). Rows inside the forced window keep
+only the forced token's logit (the others -inf), so greedy and sampled decoding both pick it, in any mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verifier_service.session import Session
+
+
+def forced_token(s: Session, context: list[int]) -> int | None:
+    """The token forced at output index len(context), given the output tokens before it (None: free)."""
+    p = s.params
+    if not p.forced_ids:
+        return None
+    if p.forced_after is None:
+        start = 0
+    elif p.forced_after in context:
+        start = context.index(p.forced_after) + 1
+    else:
+        return None
+    k = len(context) - start
+    return p.forced_ids[k] if 0 <= k < len(p.forced_ids) else None
+
+
+def row_forcing(s: Session, tokens: list[int], parents: list[int]) -> list[tuple[int, int]]:
+    """A verify's rows [root, nodes…] -> (row, forced token) for the rows whose prediction is forced."""
+    out, paths = [], [[]]
+    for token, parent in zip(tokens, parents):
+        paths.append(paths[parent] + [token])
+    window = len(s.params.forced_ids) + 1
+    if s.params.forced_after is not None and s.params.forced_after in s.output:
+        done = len(s.output) - s.output.index(s.params.forced_after) - 1
+        if done >= window:  # the whole window is behind this session: nothing to force any more
+            return []
+    for row, path in enumerate(paths):
+        token = forced_token(s, s.output + path)
+        if token is not None:
+            out.append((row, token))
+    return out
+
+
+def forced_logits(jobs: list[dict], logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """A step's logit rows (maybe already penalized; `raw` the model's own) -> the same with every forced row keeping
+    only its forced token's logit; a copy when any row is forced (never `raw` itself)."""
+    hits = []  # (logit row, token)
+    for job in jobs:
+        s, lr = job["s"], job["logits"]
+        if not s.params.forced_ids or lr.stop == lr.start:
+            continue
+        if job["kind"] == "verify":
+            hits += [(lr.start + row, token) for row, token in row_forcing(s, job["tokens"], job["parents"])]
+        elif job["start"] + job["n"] == len(s.prompt):  # the prompt's last row predicts output index 0
+            token = forced_token(s, [])
+            if token is not None:
+                hits.append((lr.stop - 1, token))
+    if not hits:
+        return logits
+    out = logits.clone() if logits is raw else logits
+    rows, tokens = torch.tensor(hits, device=out.device).T
+    kept = out[rows, tokens]
+    out[rows] = float("-inf")
+    out[rows, tokens] = kept
+    return out
+
