@@ -242,7 +242,7 @@ def openai_param(field: str, body: dict, chat: bool) -> str:
     """A validation error's proto field path → the OpenAI parameter the client sent."""
     max_tokens = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     renames = (("sampling.", ""), ("stopping.max_new_tokens", max_tokens), ("stopping.", ""),
-               ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"),
+               ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"), ("chat.tool_choice", "tool_choice"), ("chat.tools_json", "tools"),
                ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),
                ("request_id", "x-request-id"), ("top_logprobs", "top_logprobs" if chat else "logprobs"))
     for old, new in renames:

@@ -148,6 +148,24 @@ def test_n_choices_each_equal_their_seeded_grpc_reference(idle, client, stream):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[1]), 72)
 
 
+def test_named_tool_choice_returns_that_call(idle, client):
+    """tool_choice naming a function: the answer opens that call (forced), and a bias on <|tool_call_end|> closes it
+    right after, so the response carries a get_weather call with empty arguments."""
+    tok = KimiTokenizer.from_dir(idle.model)
+    close = tok.encode("<|tool_call_end|>", allow_special=True)[0]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       logit_bias={str(close): 100}, max_tokens=40,
+                                       extra_body={**DDTREE, "chat_template_kwargs": {"thinking": False}})
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather" and calls[0].id == "functions.get_weather:0", r
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert e.value.response.json()["error"]["param"] == "tool_choice"
+
+
 def test_chat_with_tools_and_tool_turns(idle, client):
     """Tools and a finished tool round trip go through the template as the tokenizer renders them."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
