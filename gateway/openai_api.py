@@ -10,8 +10,8 @@ Tools: `tools` go to the chat template, the model's calls come back as `tool_cal
 then starts with that call: the verifier forces its opening tokens, the arguments are the model's). `presence_penalty`,
 `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) change the target's distribution on
 the verifier, exactly as plain decoding would. `n` > 1 runs n generations (choice i seeded with seed + i).
-Parameters that are not implemented (best_of, JSON response_format) are refused by name rather than ignored. `logprobs` (completions: n alternatives) and
-`top_logprobs` (chat) come from the verifier, up to 20 alternatives. Completions' `echo` returns the prompt before
+Parameters that are not implemented (best_of, JSON response_format) are refused by name rather than ignored.
+`logprobs` (completions: n alternatives) and `top_logprobs` (chat) come from the verifier, up to 20 alternatives. Completions' `echo` returns the prompt before
 the completion, and with `logprobs` each prompt token's (`GenerateRequest.prompt_logprobs`); `echo` with
 `max_tokens` 0 returns the prompt alone (one token is generated to end the request, not returned).
 """
@@ -242,7 +242,8 @@ def openai_param(field: str, body: dict, chat: bool) -> str:
     """A validation error's proto field path → the OpenAI parameter the client sent."""
     max_tokens = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     renames = (("sampling.", ""), ("stopping.max_new_tokens", max_tokens), ("stopping.", ""),
-               ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"), ("chat.tool_choice", "tool_choice"), ("chat.tools_json", "tools"),
+               ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"),
+               ("chat.tool_choice", "tool_choice"), ("chat.tools_json", "tools"),
                ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),
                ("request_id", "x-request-id"), ("top_logprobs", "top_logprobs" if chat else "logprobs"))
     for old, new in renames:
