@@ -11,9 +11,10 @@ then starts with that call: the verifier forces its opening tokens, the argument
 `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) change the target's distribution on
 the verifier, exactly as plain decoding would. `n` > 1 runs n generations (choice i seeded with seed + i).
 Parameters that are not implemented (best_of, JSON response_format) are refused by name rather than ignored.
-`logprobs` (completions: n alternatives) and `top_logprobs` (chat) come from the verifier, up to 20 alternatives. Completions' `echo` returns the prompt before
-the completion, and with `logprobs` each prompt token's (`GenerateRequest.prompt_logprobs`); `echo` with
-`max_tokens` 0 returns the prompt alone (one token is generated to end the request, not returned).
+`logprobs` (completions: n alternatives) and `top_logprobs` (chat) come from the verifier, up to 20 alternatives.
+Completions' `echo` returns the prompt before the completion, and with `logprobs` each prompt token's
+(`GenerateRequest.prompt_logprobs`); `echo` with `max_tokens` 0 returns the prompt alone (one token is generated
+to end the request, not returned).
 """
 
 from __future__ import annotations
