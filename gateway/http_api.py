@@ -163,8 +163,11 @@ async def _respond(request: web.Request, outs: list[OpenAIResponse], generations
                    include_usage: bool) -> web.StreamResponse:
     async with contextlib.AsyncExitStack() as stack:
         msgs = [await stack.enter_async_context(contextlib.aclosing(g)) for g in generations]
-        # admission and verifier errors surface here, before any byte; the choices start together
-        firsts = await _each([_first(m) for m in msgs])
+        # Admission and verifier errors surface here, before any byte. The first choice's first message means its
+        # prompt is prefilled and its full pages are in the verifier's prefix cache: the other choices start then
+        # and prefill only the rest (together, they would each prefill the whole prompt in the same steps).
+        firsts = [await _first(msgs[0])]
+        firsts += await _each([_first(m) for m in msgs[1:]])
         if any(first is None for first in firsts):
             raise Unavailable("verifier stream ended without a message")
         if stream:

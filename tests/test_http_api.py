@@ -10,6 +10,7 @@ import http.client
 import json
 import signal
 import time
+import urllib.request
 
 import grpc
 import openai
@@ -29,7 +30,8 @@ def stack(request, tiny_ckpt, tmp_path_factory):
     with new_stack(request, tiny_ckpt, tmp_path_factory) as st:
         st.http_port = free_port()
         st.add_drafter(wait=False)
-        st.add_verifier(wait=False)
+        st.verifier_metrics = free_port()
+        st.add_verifier("--metrics-port", str(st.verifier_metrics), wait=False)
         st.add_gateway("--http-port", str(st.http_port), "--api-key", KEY)
         yield st
 
@@ -146,6 +148,21 @@ def test_n_choices_each_equal_their_seeded_grpc_reference(idle, client, stream):
         assert all(c.model_extra["spec_stats"]["mode"] == "ddtree" for c in r.choices)
     assert texts == [ref.text for ref in refs]
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[1]), 72)
+
+
+def _verifier_metric(stack, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.verifier_metrics}/metrics", timeout=10) as r:
+        return sum(float(line.split()[-1]) for line in r.read().decode().splitlines() if line.startswith(name + " "))
+
+
+def test_n_choices_share_the_prompt_prefill(idle, client):
+    """The other choices start once the first has prefilled: they find its whole pages in the prefix cache."""
+    prompt = [(i * 97 + 13) % 1792 for i in range(70)]  # pages of 16: 64 tokens reusable
+    hits = _verifier_metric(idle, "ddtree_prefix_cache_hits_total")
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=4, n=3,
+                                  temperature=1.0, seed=3, extra_body=DDTREE)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0 and len(r.choices) == 3
+    assert _verifier_metric(idle, "ddtree_prefix_cache_hits_total") - hits == 2 * 64
 
 
 def test_named_tool_choice_returns_that_call(idle, client):
