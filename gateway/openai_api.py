@@ -2,7 +2,7 @@
 
 The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
 gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
-Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_token_ids`, `ignore_eos`,
+Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_token_ids`, `ignore_eos`, `min_tokens`,
 `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
 `tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
@@ -88,6 +88,9 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
         raise InvalidArgument("stop_token_ids", "must be a list of token ids")
     req.stopping.stop_token_ids.extend(ids)
     req.stopping.ignore_eos = _get(body, "ignore_eos", bool, "a boolean", False)
+    min_tokens = _int(body, "min_tokens")  # vLLM's
+    if min_tokens:
+        req.stopping.min_new_tokens = min_tokens
     _speculation(body, req)
 
 
@@ -242,7 +245,8 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
 def openai_param(field: str, body: dict, chat: bool) -> str:
     """A validation error's proto field path → the OpenAI parameter the client sent."""
     max_tokens = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    renames = (("sampling.", ""), ("stopping.max_new_tokens", max_tokens), ("stopping.", ""),
+    renames = (("sampling.", ""), ("stopping.max_new_tokens", max_tokens), ("stopping.min_new_tokens", "min_tokens"),
+               ("stopping.", ""),
                ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"),
                ("chat.tool_choice", "tool_choice"), ("chat.tools_json", "tools"),
                ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),

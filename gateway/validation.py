@@ -108,6 +108,8 @@ def check_stopping(st: pb.StoppingCriteria, limits: Limits) -> int:
     max_new = st.max_new_tokens if st.HasField("max_new_tokens") else limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
         raise InvalidArgument("stopping.max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+    if not 0 <= st.min_new_tokens <= max_new:
+        raise InvalidArgument("stopping.min_new_tokens", f"must be in [0, {max_new}], got {st.min_new_tokens}")
     if len(st.stop) > limits.max_stop_strings:
         raise InvalidArgument("stopping.stop", f"at most {limits.max_stop_strings} stop strings")
     for i, s in enumerate(st.stop):
@@ -153,6 +155,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
         request=vpb.VerifierGenerateRequest(forced_ids=forced, forced_after_id=after,
             request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
+            min_new_tokens=req.stopping.min_new_tokens,
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
             return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs),
         stops=tuple(req.stopping.stop), think=tok.think_tokens if chat else None,

@@ -226,6 +226,40 @@ def test_prompt_logprobs_equal_the_models_prefill(idle, ar_refs, tiny_ckpt):
     torch.testing.assert_close(torch.tensor([list(t.logprobs) for t in tops]), best.values, atol=1e-4, rtol=0)
 
 
+def test_min_new_tokens_holds_back_stop_ids_losslessly(idle, ar_refs, tiny_ckpt):
+    """A stop id the model emits at index 2 cannot end the output before min_new_tokens = 10: AR's tokens are a
+    whole-sequence recompute's with that id banned for the first 10, and DDTree and chain give AR's."""
+    import torch
+    from model_fixtures import load_model, new_cache, one_thread, prefill
+
+    prompt, n, stop = PROMPTS[2], 24, ar_refs[2].ids[2]
+
+    def request(mode, budget=None):
+        req = gen_request(prompt, n, mode=mode, budget=budget)
+        req.stopping.stop_token_ids.append(stop)
+        req.stopping.min_new_tokens = 10
+        return req
+
+    ar = generate(idle.generation, request(pb.SPEC_MODE_AR))
+    assert stop not in ar.ids[:10] and len(ar.ids) >= 10
+    for mode, budget in ((pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_CHAIN, None)):
+        got = generate(idle.generation, request(mode, budget)).ids
+        assert got == ar.ids, f"{pb.SpecMode.Name(mode)}: {first_difference(got, ar.ids)}"
+    with one_thread():
+        model = load_model(tiny_ckpt)
+        seq = list(prompt)
+        for k, served in enumerate(ar.ids):
+            logits = prefill(model, new_cache(model), "ref", seq).logits[-1].clone()
+            if k < 10:
+                logits[stop] = float("-inf")
+            token = int(logits.argmax())
+            top2 = torch.topk(logits, 2).values
+            assert token == served or float(top2[0] - top2[1]) < 1e-4, f"token {k}: {served} vs {token}"
+            if token != served:
+                break
+            seq.append(token)
+
+
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -328,6 +362,8 @@ def _bad(**changes):
                 req.sampling.logit_bias.update(value(info))
             elif key == "max_new_tokens":
                 req.stopping.max_new_tokens = value(info) if callable(value) else value
+            elif key == "min_new_tokens":
+                req.stopping.min_new_tokens = value
             elif key == "tree_budget":
                 req.speculation.tree_budget = value(info) if callable(value) else value
             elif key == "top_logprobs":
@@ -387,6 +423,7 @@ BAD_INPUT = {
     "tool_choice of no tool": (_bad(input=_chat_tools('[{"type": "function", "function": {"name": "a"}}]', "b")),
                                "chat.tool_choice"),
     "tool_choice without tools": (_bad(input=_chat_tools("", "required")), "chat.tool_choice"),
+    "min_new_tokens above max": (_bad(min_new_tokens=5), "stopping.min_new_tokens"),
 }
 
 

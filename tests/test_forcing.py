@@ -47,3 +47,22 @@ def test_forced_rows_keep_one_logit():
         assert torch.isinf(out[row]).sum() == 11
     plain = Session("p", [1], GenParams(), emit=print, window=0)
     assert forced_logits([dict(job, s=plain)], raw, raw) is raw
+
+
+def test_min_new_tokens_bans_eos_and_stop_ids_on_early_rows():
+    s = Session("s", [1, 2, 3], GenParams(min_new_tokens=3, stop_token_ids=frozenset({4})), emit=print, window=0)
+    s.output = [6]
+    raw = torch.zeros(6, 12)
+    # rows 0-4 of the job: root (index 1), node 7 (2), node 3 under 7 (3), node 8 under the root (2), node 9 under 3
+    job = dict(kind="verify", s=s, tokens=[7, 3, 8, 9], parents=[0, 1, 0, 2], logits=slice(1, 6))
+    out = forced_logits([job], raw, raw, eos_ids=frozenset({11}))
+    banned = torch.isinf(out)
+    assert banned[:, [4, 11]].tolist() == [[False, False], [True, True], [True, True], [False, False], [True, True],
+                                            [False, False]]
+    assert banned.sum() == 6
+    s.params = GenParams(min_new_tokens=3, stop_token_ids=frozenset({4}), ignore_eos=True)
+    assert torch.isinf(forced_logits([job], raw, raw, eos_ids=frozenset({11}))).sum() == 3  # EOS allowed then
+    prefill = dict(kind="prefill", s=s, start=0, n=3, logits=slice(0, 3))
+    s.output = []
+    assert torch.isinf(forced_logits([prefill], raw[:3], raw[:3], eos_ids=frozenset({11}))).nonzero().tolist() == \
+        [[2, 4]]

@@ -375,3 +375,11 @@ def test_n_jobs_and_bounds(tok):
         with pytest.raises(InvalidArgument) as e:
             choice_count({"n": n})
         assert e.value.field == "n"
+
+
+def test_min_tokens_maps_and_is_bounded(tok):
+    req = completion_request({"prompt": "x", "min_tokens": 3, "max_tokens": 5})
+    assert req.stopping.min_new_tokens == 3
+    with pytest.raises(InvalidArgument) as e:
+        to_job(completion_request({"prompt": "x", "min_tokens": 9, "max_tokens": 5}), tok, LIMITS_LONG)
+    assert openai_param(e.value.field, {}, chat=False) == "min_tokens"

@@ -228,7 +228,8 @@ class Engine:
         features = out.hidden.shape[-1] > 0 and any(job["s"].features_on for job in live)
         eager = features and out.hidden.numel() * out.hidden.element_size() <= HIDDEN_FETCH_BYTES
         # what the target chooses from: its logits with the sessions' bias, penalties and forced tokens
-        scores = forced_logits(live, penalized_logits(live, out.logits, self.runner.cfg.vocab_size), out.logits)
+        scores = forced_logits(live, penalized_logits(live, out.logits, self.runner.cfg.vocab_size), out.logits,
+                               self.eos_ids)
         host = fetch_outputs(scores, out.hidden if eager else None, argmax=bool(greedy),
                              logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits)
         commits, keep, emits = [], [], []

@@ -40,6 +40,8 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
     bad = next((t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
         raise InvalidArgument("stop_token_ids", f"{bad} is outside [0, {cfg.vocab_size})")
+    if not 0 <= req.min_new_tokens <= (req.max_new_tokens or config.max_new_tokens_limit):
+        raise InvalidArgument("min_new_tokens", f"must be in [0, max_new_tokens], got {req.min_new_tokens}")
     if len(req.forced_ids) > MAX_FORCED:
         raise InvalidArgument("forced_ids", f"at most {MAX_FORCED} tokens, got {len(req.forced_ids)}")
     for name, ids in (("forced_ids", req.forced_ids),
@@ -64,5 +66,5 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted(s.logit_bias.items())), prompt_logprobs=req.prompt_logprobs,
-        forced_ids=tuple(req.forced_ids),
+        forced_ids=tuple(req.forced_ids), min_new_tokens=req.min_new_tokens,
         forced_after=req.forced_after_id if req.HasField("forced_after_id") else None)

@@ -34,6 +34,7 @@ class GenParams:
     prompt_logprobs: bool = False  # the logprob of each prompt token after the first (and top_logprobs of them)
     forced_ids: tuple[int, ...] = ()  # the output starts with these after forced_after (verifier_service/forcing.py)
     forced_after: int | None = None
+    min_new_tokens: int = 0  # no EOS / stop token id before this many emitted tokens (forcing.py)
 
     @property
     def greedy(self) -> bool:
