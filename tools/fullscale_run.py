@@ -126,6 +126,7 @@ def service_commands(args, ports: dict[str, int], tokenizer: Path) -> dict[str, 
                      "--drafter", f"127.0.0.1:{ports['drafter']}", "--kv-cache-mb", str(args.kv_cache_mb),
                      "--max-tree-budget", str(max(*args.sizes, 16)), "--max-batch", str(max(args.concurrency, 8)),
                      "--max-context", str(max(8192, args.prompt_len + args.max_new + 256)),
+                     "--prefix-cache", "false",  # each tree size's streams start cold, as the floors assume
                      "--metrics-port", str(ports["metrics"]), *common],
         "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--http-port", "0", "--model", str(tokenizer),
                     "--verifier", f"127.0.0.1:{ports['verifier']}", *common],

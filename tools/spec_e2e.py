@@ -105,6 +105,9 @@ def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: t
         "verifier": [*base, "verifier", "--port", str(ports["verifier"]), "--model", str(model_dir),
                      "--device", devices[1], "--dtype", dtypes[1], "--drafter", f"127.0.0.1:{ports['drafter']}",
                      "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
+                     # every mode runs the same prompts: without this the later modes would find them cached, and
+                     # their drafter would see only the rows after the cached pages (docs/BENCHMARKS.md, session 23)
+                     "--prefix-cache", "false",
                      "--metrics-port", str(ports["verifier_metrics"]), *common],
         "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--http-port", "0", "--model", str(model_dir),
                     "--verifier", f"127.0.0.1:{ports['verifier']}", *common],
