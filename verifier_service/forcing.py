@@ -17,35 +17,40 @@ from verifier_service.acceptance import tree_depths
 from verifier_service.session import Session
 
 
+def _window_start(forced_after: int | None, context: list[int]) -> int | None:
+    """The index in `context` where the forced tokens begin (just after the first trigger), None before it."""
+    if forced_after is None:
+        return 0
+    return context.index(forced_after) + 1 if forced_after in context else None
+
+
 def forced_token(s: Session, context: list[int]) -> int | None:
     """The token forced at output index len(context), given the output tokens before it (None: free)."""
-    p = s.params
-    if not p.forced_ids:
-        return None
-    if p.forced_after is None:
-        start = 0
-    elif p.forced_after in context:
-        start = context.index(p.forced_after) + 1
-    else:
-        return None
-    k = len(context) - start
-    return p.forced_ids[k] if 0 <= k < len(p.forced_ids) else None
+    start = _window_start(s.params.forced_after, context) if s.params.forced_ids else None
+    k = None if start is None else len(context) - start
+    return s.params.forced_ids[k] if k is not None and k < len(s.params.forced_ids) else None
 
 
 def row_forcing(s: Session, tokens: list[int], parents: list[int]) -> list[tuple[int, int]]:
-    """A verify's rows [root, nodes…] -> (row, forced token) for the rows whose prediction is forced."""
+    """A verify's rows [root, nodes…] -> (row, forced token) for the rows whose prediction is forced. Row r at depth
+    d predicts output index len(output) + d; its context is the output plus its drafted path."""
+    forced, n = s.params.forced_ids, len(s.output)
+    start = _window_start(s.params.forced_after, s.output)
+    if start is not None and n - start >= len(forced):
+        return []  # the window is behind the output (the common case, after a few steps)
     out, paths = [], [[]]
     for token, parent in zip(tokens, parents):
         paths.append(paths[parent] + [token])
-    window = len(s.params.forced_ids) + 1
-    if s.params.forced_after is not None and s.params.forced_after in s.output:
-        done = len(s.output) - s.output.index(s.params.forced_after) - 1
-        if done >= window:  # the whole window is behind this session: nothing to force any more
-            return []
     for row, path in enumerate(paths):
-        token = forced_token(s, s.output + path)
-        if token is not None:
-            out.append((row, token))
+        if start is not None:  # the window opened in the output
+            k = n + len(path) - start
+        else:  # maybe on this row's path
+            at = _window_start(s.params.forced_after, path)
+            if at is None:
+                continue
+            k = len(path) - at
+        if k < len(forced):
+            out.append((row, forced[k]))
     return out
 
 
