@@ -48,7 +48,7 @@ def rounds(st) -> tuple[dict, list[int]]:
 def test_rounds_under_page_pressure_equal_the_uncached_verifier(stacks):
     cache_on, cache_off = stacks
     info = cache_on.verifier_info()
-    assert info.pages_total == 85 and info.page_size == 16, info
+    assert info.pages_total in (84, 85) and info.page_size == 16, info  # 84 on a GPU: one for the graphs
     got, cached = rounds(cache_on)
     want, none = rounds(cache_off)
     assert cached[0] < cached[1] and cached[2] >= 5 * 32, cached  # repeats and the shared prefix are found
