@@ -18,8 +18,9 @@ from service_kit.server import Lifecycle, Service, run_server
 
 log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
-FEATURES = ("ar", "chain", "ddtree", "sampling", "penalties", "logit_bias", "logprobs", "stop_strings", "chat",
-            "spec_stats", "reasoning_text", "tool_calls")
+FEATURES = ("ar", "chain", "ddtree", "sampling", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
+            "stop_strings", "min_new_tokens", "chat", "spec_stats", "reasoning_text", "tool_calls", "tool_choice",
+            "prefix_cache_usage")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

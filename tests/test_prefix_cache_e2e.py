@@ -42,6 +42,8 @@ def rounds(st) -> tuple[dict, list[int]]:
             assert outputs.setdefault(tuple(p), r.ids) == r.ids, "a repeat gave other tokens"
         cached.append(sum(r.final.usage.cached_prompt_tokens for r in results))
     wait_until(lambda: st.verifier_info().pages_used == 0, 10, "every page back")
+    info = st.verifier_info()
+    assert (info.pages_cached > 0) == (cached[1] > 0) and info.pages_cached <= info.pages_total, info
     return outputs, cached
 
 

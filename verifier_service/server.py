@@ -94,6 +94,7 @@ def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
         default_tree_budget=config.default_tree_budget, max_tree_budget=config.max_tree_budget,
         drafter_block_size=engine.block_size, eos_token_ids=list(cfg.eos_token_id),
         pages_total=table.num_pages, pages_used=table.num_pages - table.num_free, page_size=table.page_size,
+        pages_cached=len(table.prefix.idle) if table.prefix is not None else 0,
         live_sessions=engine.live_sessions, world_size=config.world_size, device=config.device, dtype=config.dtype,
         drafters=[vpb.DrafterReplica(address=a, state=s, sessions=n) for a, s, n in drafters],
         memory=[vpb.RankMemory(rank=r, device=d, weight_bytes=w, kv_cache_bytes=k) for r, d, w, k in runner.memory])
