@@ -246,3 +246,21 @@ def test_forced_tool_call_inside_accepted_paths(scripted, drafter):
     got = generate(st.generation, req)
     assert got.ids == ref.ids[:40], first_difference(got.ids, ref.ids[:40])
     assert got.final.spec_stats.accepted_draft_tokens > 10 and drafter.record.violations == []
+
+
+def test_prefix_cache_hit_sends_the_stored_feature_rows(scripted, drafter):
+    """A prompt whose pages were cached by an earlier one: the drafter's reset starts within the stored rows of the
+    last cached page (a full feature window of 16 rows here), not at the first prefilled position, and the output
+    stays AR's."""
+    st, _ = scripted
+    prompt = [(i * 67 + 9) % 1792 for i in range(48)]  # its prefill publishes 3 pages, the ring holds the last
+    generate(st.generation, gen_request(prompt, 4, mode=pb.SPEC_MODE_AR))
+    longer = prompt + [11, 12, 13, 14, 15]  # 3 cached pages; page 2's rows come from the store
+    ref = generate(st.generation, gen_request(longer, N + 8, mode=pb.SPEC_MODE_AR))
+    req = gen_request(longer, N, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    drafter.expect(req.request_id, len(longer), ref.ids)
+    got = generate(st.generation, req)
+    assert got.final.usage.cached_prompt_tokens == 48 and got.ids == ref.ids[:N], first_difference(got.ids, ref.ids)
+    # the last 16 rows before the root, 5 prefilled and 11 from the store (without it: 48)
+    assert drafter.record.reset_starts[:1] == [len(longer) - 16], drafter.record.reset_starts
+    assert drafter.record.violations == []

@@ -121,3 +121,21 @@ def test_random_workload_matches_hold_the_prompt_tokens():
         assert not held & set(t._free) and not held & set(t.prefix.idle), f"step {step}"
         assert len(held) + t.num_free == t.num_pages, f"step {step}: pages leaked"
     assert hits > 200, hits
+
+
+def test_feature_store_keeps_a_budget_and_returns_the_trailing_run():
+    import torch
+
+    from verifier_service.prefix_cache import FeatureStore, page_keys
+
+    keys = page_keys(list(range(40)), PS, 10)
+    store = FeatureStore(budget_bytes=6 * PS * 2 * 4)  # six pages of [4, 2] fp32 rows
+    for i in (2, 3, 4, 6, 7, 8, 9):
+        store.put(keys[i], torch.full((PS, 2), float(i)))
+    assert len(store.rows) == 6 and keys[2] not in store.rows  # the least recently stored went
+    run = store.trailing(keys[:10], limit_pages=3)
+    assert [int(r[0, 0]) for r in run] == [7, 8, 9]
+    assert [int(r[0, 0]) for r in store.trailing(keys[:10], limit_pages=9)] == [6, 7, 8, 9]  # 5 is missing
+    assert store.trailing(keys[:6], limit_pages=9) == [] and store.trailing(keys[:5], limit_pages=9)[-1][0, 0] == 4
+    store.put(keys[0], torch.zeros(PS, 2))  # evicts 9: 8, 7, 6, then 4 and 3 were read after it
+    assert keys[9] not in store.rows and all(keys[i] in store.rows for i in (0, 3, 4, 6, 7, 8))

@@ -36,6 +36,9 @@ class VerifierConfig(ServerConfig):
     prefill_chunk: int = option(512, "prompt tokens prefilled per step per session")
     prefix_cache: bool = option(True, "reuse the KV pages of earlier requests' identical prompt prefixes (whole "
                                 "pages, kept until the space is needed); false: every prompt is prefilled")
+    prefix_feature_mb: int = option(4096, "host memory for the drafter's feature rows of cached pages, MiB: a "
+                                    "prefix-cache hit sends the drafter the rows before its first prefilled "
+                                    "position (up to --feature-window) from here; 0 = it gets none")
     max_batch: int = option(64, "sessions decoded together in one step")
     drafter_transport: str = option("framed", "how Proposes travel: framed = the drafter's framed Propose port "
                                     "(GetInfo.propose_port; gRPC for a replica without one), grpc = the "

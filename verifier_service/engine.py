@@ -24,6 +24,7 @@ from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.forcing import forced_logits
+from verifier_service.prefix_cache import FeatureStore, page_keys
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
@@ -44,6 +45,8 @@ class Engine:
         self.drafting = (DraftPlanner(drafters, config, runner.cfg.vocab_size)
                          if drafters is not None and drafters.enabled else None)
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
+        self.feature_store = (FeatureStore(config.prefix_feature_mb << 20)
+                              if self.drafting and config.prefix_cache and config.prefix_feature_mb > 0 else None)
         self.block_size = 0  # the drafter's, once it has told us
         self.on_fatal = None  # set at world size > 1: called (from the loop thread) when a step fails
         self.inflight: list[InFlight] = []  # Propose calls sent ahead, oldest first
@@ -145,7 +148,8 @@ class Engine:
                 break
             self.waiting.popleft()
             # prompt logprobs need every prompt row's logits: no prefix reuse then
-            s.skip_cached(self.table.open(s.id, None if s.params.prompt_logprobs else s.prompt))
+            cached = self.table.open(s.id, None if s.params.prompt_logprobs else s.prompt)
+            s.skip_cached(cached, self._stored_features(s, cached))
             metrics.observe_prefix_cache(len(s.prompt), s.cached_tokens)
             self.reserved[s.id] = need
             self.active[s.id] = s
@@ -268,6 +272,9 @@ class Engine:
         for s, position, rows in kept:
             if s.features.end != position + rows.shape[0]:  # else a reset request appended them already
                 s.features.append(position, rows)  # raises unless the ring ends at `position`
+        for s in {job["s"].id: job["s"] for job in live if job["kind"] == "prefill"}.values():
+            if s.prefilled == len(s.prompt):  # its prompt's full pages serve later requests from now on
+                self._publish_pages(s, s.prompt)
         if commits:
             self.cache.commit_many(commits)
         for s, kept, reason, stop_id, logprobs, tops, steps in ends:
@@ -282,7 +289,6 @@ class Engine:
         s.prefilled += job["n"]
         if s.prefilled < len(s.prompt):
             return []
-        self.table.publish(s.id, s.prompt)  # its prompt's full pages serve later requests from now on
         last = lr.stop - 1
         if host.argmax is not None and s.params.greedy:
             token = host.argmax[last]
@@ -290,6 +296,26 @@ class Engine:
         else:
             token, logprob = first_token(s, scores[last], out.logits[last])
         return [(s, [token], [logprob], top_logprobs(out.logits[last:last + 1], [0], s.params.top_logprobs), 0)]
+
+    def _publish_pages(self, s: Session, tokens: list[int]) -> None:
+        """The session's full pages into the prefix cache, and the feature rows its ring still holds of each."""
+        published = self.table.publish(s.id, tokens)
+        ring, ps = s.features, self.table.page_size
+        if self.feature_store is None or ring.rows is None:
+            return
+        for i, key in published:
+            if ring.start <= i * ps and (i + 1) * ps <= ring.end:
+                self.feature_store.put(key, ring.rows[i * ps - ring.start: (i + 1) * ps - ring.start])
+
+    def _stored_features(self, s: Session, cached: int) -> tuple[int, torch.Tensor] | None:
+        """On a prefix-cache hit: the stored feature rows of the last cached pages (up to the feature window) ->
+        (their first position, rows), or None."""
+        if self.feature_store is None or not cached or not s.features_on:
+            return None
+        ps = self.table.page_size
+        limit = s.window // ps if s.window else cached // ps
+        rows = self.feature_store.trailing(page_keys(s.prompt, ps, cached // ps), limit)
+        return (cached - len(rows) * ps, torch.cat(rows)) if rows else None
 
     @staticmethod
     def _kept_features(keep, hidden: torch.Tensor, on_host: torch.Tensor | None) -> list:
@@ -343,7 +369,7 @@ class Engine:
         self.reserved.pop(s.id, None)
         if s.id in self.table.sessions():
             if final.error is None:  # after a failed step its pages' KV may be incomplete
-                self.table.publish(s.id, s.prompt + s.output)
+                self._publish_pages(s, s.prompt + s.output)
             self.table.close(s.id)
         if self.drafting:
             self.drafting.release(s, self.inflight)

@@ -72,16 +72,18 @@ class PageTable:
             s.shared, s.length = len(s.pages), len(s.pages) * self.page_size
         return s.length
 
-    def publish(self, sid: Hashable, tokens: Sequence[int]) -> None:
+    def publish(self, sid: Hashable, tokens: Sequence[int]) -> list[tuple[int, bytes]]:
         """Publish the session's full committed pages, whose tokens begin `tokens` (prompt, then output), in
-        the prefix cache; stops at a page whose tokens another page already holds."""
+        the prefix cache; stops at a page whose tokens another page already holds -> (page index in the session,
+        key) of each page published now."""
         s = self._session(sid)
         full = min(len(tokens), s.length) // self.page_size
         if self.prefix is None or full <= s.shared:
-            return
-        keys = page_keys(tokens, self.page_size, full)
+            return []
+        keys, first = page_keys(tokens, self.page_size, full), s.shared
         while s.shared < full and self.prefix.publish(keys[s.shared], s.pages[s.shared]):
             s.shared += 1
+        return [(i, keys[i]) for i in range(first, s.shared)]
 
     def close(self, sid: Hashable) -> None:
         """Free every page of the session (committed and scratch); published ones stay cached."""

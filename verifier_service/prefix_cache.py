@@ -82,3 +82,36 @@ class PrefixIndex:
             del self.page_of[self.key_of.pop(page)], self.refs[page]
             out.append(page)
         return out
+
+
+class FeatureStore:
+    """The drafter's feature rows of published pages, by page key, on the host, least recently used evicted past
+    `budget_bytes`. A hit gives the drafter the rows of the cached pages before its first prefilled position (up
+    to the feature window), as a cold prefill would have sent them: keyed by content, a row set never outlives
+    the prefix it belongs to, whatever happens to the page ids."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget, self.used = budget_bytes, 0
+        self.rows: OrderedDict[bytes, object] = OrderedDict()  # key -> torch.Tensor [page_size, F]
+
+    def put(self, key: bytes, rows) -> None:
+        size = rows.numel() * rows.element_size()
+        if key in self.rows or size > self.budget:
+            return
+        self.rows[key] = rows.clone()
+        self.used += size
+        while self.used > self.budget:
+            _, old = self.rows.popitem(last=False)
+            self.used -= old.numel() * old.element_size()
+
+    def trailing(self, keys: list[bytes], limit_pages: int) -> list:
+        """The stored rows of the last pages of `keys` (a prompt's cached pages, in order), as many consecutive
+        ones as are stored, at most limit_pages -> their tensors, in position order."""
+        out = []
+        for key in reversed(keys[max(len(keys) - limit_pages, 0):]):
+            rows = self.rows.get(key)
+            if rows is None:
+                break
+            self.rows.move_to_end(key)
+            out.append(rows)
+        return out[::-1]

@@ -174,11 +174,14 @@ class Session:
     def decoding(self) -> bool:
         return self.pending is not None
 
-    def skip_cached(self, tokens: int) -> None:
-        """The first `tokens` prompt tokens are in the KV cache already: prefill starts after them, and so do the
-        feature rows (the drafter gets those from there on; a reset starts it at the first of them)."""
+    def skip_cached(self, tokens: int, rows: tuple[int, torch.Tensor] | None = None) -> None:
+        """The first `tokens` prompt tokens are in the KV cache already: prefill starts after them. The feature
+        ring starts there too, or earlier with `rows` (position, [n, F]: the cached pages' stored rows, ending at
+        `tokens`); a reset starts the drafter at the ring's first row."""
         self.prefilled = self.cached_tokens = tokens
-        self.features = FeatureRing(self.window, start=tokens)
+        self.features = FeatureRing(self.window, start=tokens if rows is None else rows[0])
+        if rows is not None:
+            self.features.append(*rows)
 
     def truncate(self, tokens: list[int], eos_ids: frozenset[int], max_context: int):
         """Cut a step's tokens at the first stop id / EOS / length limit -> (kept, reason, stop id)."""
