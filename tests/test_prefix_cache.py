@@ -128,7 +128,7 @@ def test_feature_store_keeps_a_budget_and_returns_the_trailing_run():
 
     from verifier_service.prefix_cache import FeatureStore, page_keys
 
-    keys = page_keys(list(range(40)), PS, 10)
+    keys = list(page_keys(list(range(40)), PS, 10))
     store = FeatureStore(budget_bytes=6 * PS * 2 * 4)  # six pages of [4, 2] fp32 rows
     for i in (2, 3, 4, 6, 7, 8, 9):
         store.put(keys[i], torch.full((PS, 2), float(i)))

@@ -24,7 +24,7 @@ from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.forcing import forced_logits
-from verifier_service.prefix_cache import FeatureStore, page_keys
+from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
@@ -272,9 +272,9 @@ class Engine:
         for s, position, rows in kept:
             if s.features.end != position + rows.shape[0]:  # else a reset request appended them already
                 s.features.append(position, rows)  # raises unless the ring ends at `position`
-        for s in {job["s"].id: job["s"] for job in live if job["kind"] == "prefill"}.values():
-            if s.prefilled == len(s.prompt):  # its prompt's full pages serve later requests from now on
-                self._publish_pages(s, s.prompt)
+        for job in live:  # a session's prompt is one prefill job a step
+            if job["kind"] == "prefill" and job["s"].prefilled == len(job["s"].prompt):
+                self._publish_pages(job["s"], job["s"].prompt)  # its full pages serve later requests from now on
         if commits:
             self.cache.commit_many(commits)
         for s, kept, reason, stop_id, logprobs, tops, steps in ends:
@@ -314,7 +314,7 @@ class Engine:
             return None
         ps = self.table.page_size
         limit = s.window // ps if s.window else cached // ps
-        rows = self.feature_store.trailing(page_keys(s.prompt, ps, cached // ps), limit)
+        rows = self.feature_store.trailing(self.table.shared_keys(s.id), limit)  # the cached pages, just matched
         return (cached - len(rows) * ps, torch.cat(rows)) if rows else None
 
     @staticmethod

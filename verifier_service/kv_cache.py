@@ -80,10 +80,19 @@ class PageTable:
         full = min(len(tokens), s.length) // self.page_size
         if self.prefix is None or full <= s.shared:
             return []
-        keys, first = page_keys(tokens, self.page_size, full), s.shared
-        while s.shared < full and self.prefix.publish(keys[s.shared], s.pages[s.shared]):
+        published = []  # the pages already shared are keyed: hashing resumes after them
+        before = self.prefix.key_of[s.pages[s.shared - 1]] if s.shared else b""
+        for key in page_keys(tokens, self.page_size, full, s.shared, before):
+            if not self.prefix.publish(key, s.pages[s.shared]):
+                break
+            published.append((s.shared, key))
             s.shared += 1
-        return [(i, keys[i]) for i in range(first, s.shared)]
+        return published
+
+    def shared_keys(self, sid: Hashable) -> list[bytes]:
+        """The prefix-cache keys of the session's leading published pages, in order."""
+        s = self._session(sid)
+        return [self.prefix.key_of[p] for p in s.pages[:s.shared]] if self.prefix is not None else []
 
     def close(self, sid: Hashable) -> None:
         """Free every page of the session (committed and scratch); published ones stay cached."""

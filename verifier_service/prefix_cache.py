@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 
-def page_keys(tokens: Sequence[int], page_size: int, pages: int) -> list[bytes]:
-    """The chained keys of the first `pages` full pages of `tokens`."""
-    ids = np.asarray(tokens[: pages * page_size], dtype=np.int64)
-    keys, key = [], b""
-    for i in range(pages):
+def page_keys(tokens: Sequence[int], page_size: int, pages: int, first: int = 0, key: bytes = b"") -> Iterator[bytes]:
+    """The chained keys of full pages first .. pages-1 of `tokens`, computed as they are taken (a lookup stops
+    hashing at its first miss); `key`: page first-1's (a page's key covers every token before its end)."""
+    ids = np.asarray(tokens[first * page_size: pages * page_size], dtype=np.int64)
+    for i in range(pages - first):
         key = hashlib.blake2b(key + ids[i * page_size: (i + 1) * page_size].tobytes(), digest_size=16).digest()
-        keys.append(key)
-    return keys
+        yield key
 
 
 class PrefixIndex:
