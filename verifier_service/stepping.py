@@ -77,7 +77,12 @@ def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[li
     emitted tokens' logprobs), most likely first. One device op and one read, only for sessions that ask."""
     if not k or not rows:
         return []
-    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)
+    return _most_likely(torch.log_softmax(logits[rows].float(), dim=-1), k)
+
+
+def _most_likely(logprobs: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]]:
+    """[R, V] log-softmax -> per row its k most likely (ids, logprobs), most likely first."""
+    values, ids = logprobs.topk(k, dim=-1)
     return list(zip(ids.tolist(), values.tolist()))
 
 
@@ -88,10 +93,10 @@ def prompt_logprobs(s: Session, start: int, logits: torch.Tensor) -> None:
     targets = s.prompt[start + 1: start + logits.shape[0] + 1]
     if not targets:
         return
-    rows = logits[: len(targets)].float()
-    lsm = torch.log_softmax(rows, dim=-1)
+    lsm = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
     s.prompt_logprobs += lsm.gather(-1, torch.tensor(targets, device=lsm.device).unsqueeze(-1)).squeeze(-1).tolist()
-    s.prompt_top_logprobs += top_logprobs(rows, list(range(len(targets))), s.params.top_logprobs)
+    if s.params.top_logprobs:  # from the same log-softmax
+        s.prompt_top_logprobs += _most_likely(lsm, s.params.top_logprobs)
 
 
 def first_token(s: Session, logits: torch.Tensor, raw: torch.Tensor | None = None) -> tuple[int, float]:
