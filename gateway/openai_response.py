@@ -82,12 +82,7 @@ class OpenAIResponse:
         if not self.prompt_only:
             parts.append((chunk.text, self._logprobs(chunk)))
         lps = [lp for _, lp in parts if lp is not None]
-        if not lps:
-            return "".join(t for t, _ in parts), None
-        joined = {k: [x for lp in lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
-        tops = [lp["top_logprobs"] or [None] * len(lp["tokens"]) for lp in lps]
-        joined["top_logprobs"] = [x for t in tops for x in t] if any(lp["top_logprobs"] for lp in lps) else None
-        return "".join(t for t, _ in parts), joined
+        return "".join(t for t, _ in parts), _joined(lps) if lps else None
 
     def _tool_calls(self, chunk: pb.Chunk) -> list[dict]:
         """The chunk's calls in OpenAI's shape, each stream delta numbered across the response (`index`)."""
@@ -176,11 +171,17 @@ class OpenAIResponse:
         if self.logprobs and self.chat:
             logprobs = {"content": [e for lp in self.lps for e in lp["content"]]}
         elif self.logprobs:
-            logprobs = {k: [x for lp in self.lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
-            tops = [x for lp in self.lps for x in lp["top_logprobs"] or []]
-            logprobs["top_logprobs"] = tops or None
+            logprobs = _joined(self.lps)
         return self._envelope([{"index": self.index, **body, "logprobs": logprobs, **self._finish(self.final)}], False,
                               **self._usage_and_stats(self.final))
+
+
+def _joined(lps: list[dict]) -> dict:
+    """Completions' logprobs objects, one after the other, as one (top_logprobs: None when none has alternatives)."""
+    joined = {k: [x for lp in lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
+    tops = [lp["top_logprobs"] or [None] * len(lp["tokens"]) for lp in lps]
+    joined["top_logprobs"] = [x for t in tops for x in t] if any(lp["top_logprobs"] for lp in lps) else None
+    return joined
 
 
 def _usage(outs: list[OpenAIResponse]) -> dict:
