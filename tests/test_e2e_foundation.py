@@ -145,6 +145,12 @@ def test_malformed_requests_get_invalid_argument(served):
             request_id="foundation-top", prompt_ids=[5], return_logprobs=with_logprobs, top_logprobs=top),
             timeout=10)))
         assert "top_logprobs" in e.details()
+    for field, bad in (("forced_ids", dict(forced_ids=[5, 10**6])), ("forced_after_id", dict(forced_after_id=-1)),
+                       ("forced_ids", dict(forced_ids=[5] * 257)), ("min_new_tokens", dict(min_new_tokens=9)),
+                       ("sampling.logit_bias[-3]", dict(sampling=pb.SamplingParams(logit_bias={-3: 1.0})))):
+        e = _invalid(lambda: list(served.verifier.Generate(vpb.VerifierGenerateRequest(
+            request_id="foundation-forced", prompt_ids=[5], max_new_tokens=4, **bad), timeout=10)))
+        assert field in e.details(), (field, e.details())
     ok = list(served.verifier.Generate(vpb.VerifierGenerateRequest(request_id="foundation-ok", prompt_ids=[5, 6],
                                                                    max_new_tokens=3), timeout=30))
     assert ok[-1].final.completion_tokens == 3
