@@ -10,7 +10,10 @@ Tools: `tools` go to the chat template, the model's calls come back as `tool_cal
 then starts with that call: the verifier forces its opening tokens, the arguments are the model's). `presence_penalty`,
 `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) change the target's distribution on
 the verifier, exactly as plain decoding would. `n` > 1 runs n generations (choice i seeded with seed + i).
-Parameters that are not implemented (best_of, JSON response_format) are refused by name rather than ignored.
+Structured output: `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+…}}) or vLLM's `structured_outputs` (one of `json`, `regex`, `choice`, `grammar` (Lark), `json_object`): the answer
+matches it (GenerateRequest.response_format; applied after the thinking block).
+Parameters that are not implemented (best_of, suffix) are refused by name rather than ignored.
 `logprobs` (completions: n alternatives) and `top_logprobs` (chat) come from the verifier, up to 20 alternatives.
 Completions' `echo` returns the prompt before the completion, and with `logprobs` each prompt token's
 (`GenerateRequest.prompt_logprobs`); `echo` with `max_tokens` 0 returns the prompt alone (one token is generated
@@ -28,7 +31,8 @@ from service_kit.errors import InvalidArgument
 SPEC_MODES = {"ar": pb.SPEC_MODE_AR, "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
 # Refused unless at their no-op value (or empty; response_format {"type": "text"} is plain text, the default):
 # each would change what is sampled, or how many answers come back.
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "response_format": None}
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "functions": None}
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs keys
 MAX_CHOICES = 16  # `n`: independent generations of one request
 TOOL_CHOICES = ("auto", "none", "required")
 CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatMessages' fields of these names
@@ -92,6 +96,47 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     if min_tokens:
         req.stopping.min_new_tokens = min_tokens
     _speculation(body, req)
+    _structured(body, req)
+
+
+def _structured(body: dict, req: pb.GenerateRequest) -> None:
+    """OpenAI's `response_format` or vLLM's `structured_outputs` -> GenerateRequest.response_format."""
+    fmt = _get(body, "response_format", dict, "an object", {})
+    vllm = _get(body, "structured_outputs", dict, "an object", {})
+    if fmt and vllm:
+        raise InvalidArgument("structured_outputs", "give response_format or structured_outputs, not both")
+    kind = fmt.get("type", "text") if fmt else None
+    if kind == "json_object":
+        req.response_format.json_object = True
+    elif kind == "json_schema":
+        spec = _get(fmt, "json_schema", dict, "an object", {}, parent="response_format.")
+        schema = _get(spec, "schema", dict, "a JSON Schema object", parent="response_format.json_schema.")
+        req.response_format.json_schema = json.dumps(schema if schema is not None else {"type": "object"})
+    elif kind not in (None, "text"):
+        raise InvalidArgument("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
+    given = [k for k in STRUCTURED_OUTPUTS if vllm.get(k) not in (None, False)]
+    if len(given) > 1 or any(k not in STRUCTURED_OUTPUTS for k in vllm):
+        raise InvalidArgument("structured_outputs", f"give exactly one of {', '.join(STRUCTURED_OUTPUTS)}")
+    if given:
+        _structured_output(given[0], vllm[given[0]], req.response_format)
+
+
+def _structured_output(key: str, value: Any, fmt: pb.ResponseFormat) -> None:
+    field = f"structured_outputs.{key}"
+    if key == "json":
+        if not isinstance(value, (dict, str)):
+            raise InvalidArgument(field, "must be a JSON Schema (an object, or its JSON text)")
+        fmt.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif key == "json_object":
+        fmt.json_object = _get({key: value}, key, bool, "a boolean", parent="structured_outputs.")
+    elif key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidArgument(field, "must be a non-empty list of non-empty strings")
+        fmt.lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)  # Lark string literals
+    elif not isinstance(value, str):
+        raise InvalidArgument(field, "must be a string")
+    else:
+        setattr(fmt, {"regex": "regex", "grammar": "lark"}[key], value)
 
 
 def _logit_bias(body: dict, req: pb.GenerateRequest) -> None:
@@ -251,6 +296,8 @@ def openai_param(field: str, body: dict, chat: bool) -> str:
                ("chat.tool_choice", "tool_choice"), ("chat.tools_json", "tools"),
                ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),
                ("request_id", "x-request-id"), ("top_logprobs", "top_logprobs" if chat else "logprobs"))
+    if field.startswith("response_format") and "structured_outputs" in body:
+        return "structured_outputs"
     for old, new in renames:
         if field.startswith(old):
             return new + field[len(old):]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ddtree.internal.v1 import verifier_pb2 as vpb
 from ddtree.v1 import generation_pb2 as pb
+from gateway import structured
 from gateway.reasoning import ThinkTokens
 from gateway.tool_calls import ToolCallTokens, openai_tool_call
 from gateway.tokenizer import KimiTokenizer
@@ -89,8 +90,13 @@ def forced_tool_call(chat: pb.ChatMessages, tok: KimiTokenizer, prompt: list[int
         if choice not in names:
             raise InvalidArgument("chat.tool_choice", f"{choice!r} is none of the tools' names {names}")
         forced += tok.encode(f"functions.{choice}:0") + [marks.argument_begin]
+    return forced, answer_after(tok, prompt)
+
+
+def answer_after(tok: KimiTokenizer, prompt: list[int]) -> int | None:
+    """The id the answer follows: </think> when the prompt opens a thinking block, else None (its first token)."""
     think = tok.think_tokens
-    return forced, think.end if think is not None and prompt and prompt[-1] == think.start else None
+    return think.end if think is not None and prompt and prompt[-1] == think.start else None
 
 
 def _message(m: pb.ChatMessage) -> dict:
@@ -151,8 +157,12 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
         raise InvalidArgument("input", f"prompt of {len(ids)} tokens does not fit the context limit "
                                        f"{limits.max_context} (one token must remain for generation)")
     forced, after = forced_tool_call(req.chat, tok, ids) if chat else ([], None)
+    grammar = structured.grammar(req.response_format)
+    if grammar:
+        structured.check_combination(req)
     return Job(
-        request=vpb.VerifierGenerateRequest(forced_ids=forced, forced_after_id=after,
+        request=vpb.VerifierGenerateRequest(forced_ids=forced, forced_after_id=after, grammar=grammar,
+            grammar_after_id=answer_after(tok, ids) if grammar else None,
             request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
             min_new_tokens=req.stopping.min_new_tokens,

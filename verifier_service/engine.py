@@ -24,6 +24,7 @@ from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.forcing import forced_logits
+from verifier_service.grammar import load_vocabulary
 from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
@@ -45,6 +46,8 @@ class Engine:
         self.drafting = (DraftPlanner(drafters, config, runner.cfg.vocab_size)
                          if drafters is not None and drafters.enabled else None)
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
+        # token bytes for structured output's grammar masks (None: refused), from the checkpoint's tokenizer
+        self.vocabulary = load_vocabulary(getattr(config, "model", ""), runner.cfg.vocab_size, self.eos_ids)
         self.feature_store = (FeatureStore(config.prefix_feature_mb << 20)
                               if self.drafting and config.prefix_cache and config.prefix_feature_mb > 0 else None)
         self.block_size = 0  # the drafter's, once it has told us
@@ -239,7 +242,7 @@ class Engine:
         commits, keep, emits = [], [], []
         for job in live:
             s, lr = job["s"], job["logits"]
-            greedy_rows = host.argmax is not None and s.params.greedy
+            greedy_rows = host.argmax is not None and s.params.greedy and s.constraint is None  # else row by row
             if job["kind"] == "prefill":
                 if features and s.features_on:
                     keep.append((s, job["start"], job["rows"]))
@@ -290,7 +293,7 @@ class Engine:
         if s.prefilled < len(s.prompt):
             return []
         last = lr.stop - 1
-        if host.argmax is not None and s.params.greedy:
+        if host.argmax is not None and s.params.greedy and s.constraint is None:
             token = host.argmax[last]
             logprob = host.logprobs[last] if s.params.return_logprobs else 0.0
         else:

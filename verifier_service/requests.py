@@ -49,6 +49,19 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
         bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(name, f"{bad} is outside [0, {cfg.vocab_size})")
+    _check_grammar(req, cfg)
+
+
+def _check_grammar(req: vpb.VerifierGenerateRequest, cfg) -> None:
+    """What structured output cannot be combined with (the grammar itself is checked when its matcher is built)."""
+    if req.HasField("grammar_after_id") and not 0 <= req.grammar_after_id < cfg.vocab_size:
+        raise InvalidArgument("grammar_after_id", f"{req.grammar_after_id} is outside [0, {cfg.vocab_size})")
+    if not req.grammar:
+        return
+    for name, on in (("forced_ids", req.forced_ids), ("min_new_tokens", req.min_new_tokens),
+                     ("ignore_eos", req.ignore_eos)):
+        if on:  # a forced call is not the grammar's text; a complete answer allows only EOS
+            raise InvalidArgument(name, "cannot be combined with a grammar (structured output)")
 
 
 def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:

@@ -20,6 +20,7 @@ from service_kit.logs import configure_logging, get_logger
 from service_kit.server import Service, run_server
 from verifier_service import ranks
 from verifier_service.config import VerifierConfig
+from verifier_service.grammar import Constraint
 from verifier_service.requests import to_params, validate
 from verifier_service.session import Emission, Session
 
@@ -45,6 +46,10 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
                           emit=lambda e: loop.call_soon_threadsafe(queue.put_nowait, e),
                           window=self.config.feature_window)
         session.features_on = bool(self.engine.runner.target_layer_ids)
+        if request.grammar:  # compiling a grammar may take a while (it releases the GIL): off the event loop
+            after = request.grammar_after_id if request.HasField("grammar_after_id") else None
+            session.constraint = await loop.run_in_executor(None, Constraint, self.engine.vocabulary,
+                                                            request.grammar, after)
         self.engine.submit(session)
         try:
             while True:

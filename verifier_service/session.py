@@ -165,6 +165,7 @@ class Session:
     finished: bool = False
     stats: SpecCounters = field(default_factory=SpecCounters)
     penalties: object | None = None  # penalties.Penalties, made at the first penalized step
+    constraint: object | None = None  # grammar.Constraint of a structured-output request
 
     def __post_init__(self):
         self.rng = SessionRng(self.params.seed)

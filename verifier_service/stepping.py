@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service.acceptance import Walk, filter_probs, forced_walk, sample_with_uniforms, tree_depths, walk_tree
+from verifier_service.acceptance import (Walk, children_by_token, filter_probs, forced_walk, sample_with_uniforms,
+                                         tree_depths, walk_tree)
 from verifier_service.session import Session
 
 
@@ -58,8 +59,11 @@ def accept_session(s: Session, tokens: list[int], parents: list[int], logits: to
     force_depth > 0: the TEST ONLY forced walk (acceptance.forced_walk), not the target's choice.
     Greedy sessions may pass the rows' argmax (and its logprob, per row) already on the host."""
     greedy = s.params.greedy
-    targets = argmax if greedy and argmax is not None else target_tokens(s, logits, tree_depths(parents))
-    walk = forced_walk(tokens, parents, targets, force_depth) if force_depth else walk_tree(tokens, parents, targets)
+    if s.constraint is not None and not force_depth:
+        walk = constrained_walk(s, tokens, parents, logits)
+    else:
+        targets = argmax if greedy and argmax is not None else target_tokens(s, logits, tree_depths(parents))
+        walk = forced_walk(tokens, parents, targets, force_depth) if force_depth else walk_tree(tokens, parents, targets)
     logprobs = []
     if s.params.return_logprobs:
         # Emitted token j was predicted by accepted row j (root first); bonus by the last accepted row.
@@ -70,6 +74,23 @@ def accept_session(s: Session, tokens: list[int], parents: list[int], logits: to
             lsm = torch.log_softmax((logits if raw is None else raw)[rows], dim=-1)  # [k+1, V]
             logprobs = lsm.gather(-1, torch.tensor(walk.tokens, device=lsm.device).unsqueeze(-1)).squeeze(-1).tolist()
     return walk, logprobs
+
+
+def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor) -> Walk:
+    """walk_tree for a structured-output session (verifier_service/grammar.py): a row's allowed tokens depend on its
+    path, so the target's token is chosen row by row down the accepted path, each from the row's logits restricted
+    by the grammar state after the path (one mask per emitted token); the session's matcher consumes them."""
+    kids = children_by_token(tokens, parents)
+    row, depth, accepted, emitted = 0, 0, [0], []
+    while True:
+        token = target_tokens(s, s.constraint.restrict(logits[row]).unsqueeze(0), [depth])[0]
+        s.constraint.advance(token)
+        emitted.append(token)
+        child = kids[row].get(token)
+        if child is None:
+            return Walk(accepted_rows=accepted, tokens=emitted, bonus_row=row)
+        accepted.append(child)
+        row, depth = child, depth + 1
 
 
 def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[list[int], list[float]]]:
@@ -101,7 +122,11 @@ def prompt_logprobs(s: Session, start: int, logits: torch.Tensor) -> None:
 
 def first_token(s: Session, logits: torch.Tensor, raw: torch.Tensor | None = None) -> tuple[int, float]:
     """The token after the prompt, from the prefill's last row (output index 0); its logprob under `raw`."""
-    token = target_tokens(s, logits.unsqueeze(0), [0])[0]
     raw = logits if raw is None else raw
+    if s.constraint is not None:
+        logits = s.constraint.restrict(logits)
+    token = target_tokens(s, logits.unsqueeze(0), [0])[0]
+    if s.constraint is not None:
+        s.constraint.advance(token)
     logprob = float(torch.log_softmax(raw, dim=-1)[token]) if s.params.return_logprobs else 0.0
     return token, logprob

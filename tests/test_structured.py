@@ -1,0 +1,141 @@
+"""Structured output on the verifier (verifier_service/grammar.py, stepping.constrained_walk) against an independent
+oracle: Python `regex`'s partial full-match says which token keeps a text a viable prefix of the pattern, and plain
+constrained decoding is a masked argmax at each position of the accepted path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import regex
+import torch
+
+from gateway.tokenizer import KimiTokenizer
+from verifier_service.grammar import Constraint, load_vocabulary
+from verifier_service.session import GenParams, Session
+from verifier_service.acceptance import walk_tree
+from verifier_service.stepping import accept_session, first_token
+
+MODEL = "models/kimi-tiny"
+# ASCII only, no `.` or negated classes: a token with a non-ASCII byte (read as latin-1) can never match.
+PATTERN = r"(yes|no|maybe)( [0-9]{1,3})?(, (red|green|blue)+)*!"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return KimiTokenizer.from_dir(MODEL)
+
+
+@pytest.fixture(scope="module")
+def vocab(tok):
+    return load_vocabulary(MODEL, tok.vocab_size, tok.stop_ids)
+
+
+def oracle_allowed(tok, text: str) -> set[int]:
+    """Ids that keep `text` + token a prefix of some full match; the EOS ids once `text` itself matches."""
+    allowed = {t for t in range(tok.num_regular)
+               if regex.fullmatch(PATTERN, text + tok.token_bytes(t).decode("latin-1"), partial=True)}
+    return allowed | (set(tok.stop_ids) if regex.fullmatch(PATTERN, text) else set())
+
+
+def text_of(tok, ids: list[int]) -> str:
+    return b"".join(tok.token_bytes(t) for t in ids).decode("latin-1")
+
+
+def allowed_by(c: Constraint, v: int) -> set[int]:
+    return set(torch.isfinite(c.restrict(torch.zeros(v))).nonzero().flatten().tolist())
+
+
+def test_masks_equal_the_regex_oracle(tok, vocab):
+    c, consumed = Constraint(vocab, _grammar(), None), []
+    for piece in ["", "ye", "s", " 4", "2", ", re", "d", "blue", "!"]:
+        for t in tok.encode(piece):
+            c.advance(t)
+            consumed.append(t)
+        prefix = text_of(tok, consumed)
+        assert allowed_by(c, tok.vocab_size) == oracle_allowed(tok, prefix), prefix
+    assert allowed_by(c, tok.vocab_size) == set(tok.stop_ids)  # complete: only EOS
+    wider = c.restrict(torch.zeros(tok.vocab_size + 7))  # the model's vocab may exceed the tokenizer's
+    assert not torch.isfinite(wider[tok.vocab_size:]).any()
+
+
+def _grammar() -> str:
+    import llguidance
+    return llguidance.LLMatcher.grammar_from_regex(PATTERN)
+
+
+def _tree(tok, rnd: random.Random, path: list[int], extra: int, free: int) -> tuple[list[int], list[int], list[float]]:
+    """A tree holding `path` (node i + 1 under node i), a forbidden sibling ("x", "?" or EOS) next to each path node
+    with a higher logit at their parent's row (lower for the first `free` path nodes, which precede the grammar),
+    and `extra` random nodes -> tokens, parents and each node's logit boost at its parent's row."""
+    pool = [t for w in ("yes", "no", " 1", "2", ", ", "red", "green", "!", "x", "maybe", " ", "blue") for t in tok.encode(w)]
+    bad = [tok.encode("x")[0], tok.encode("?")[0], tok.stop_ids[0]]
+    tokens, parents, boost, row = [], [], [], 0
+    for i, t in enumerate(path):
+        tokens += [t, rnd.choice(bad)]
+        parents += [row, row]
+        boost += [10.0 if i < free else 8.0, 9.0]
+        row = len(tokens) - 1
+    for _ in range(extra):
+        parents.append(rnd.randrange(0, len(tokens) + 1))
+        tokens.append(rnd.choice(pool))
+        boost.append(8.0 + rnd.random())
+    return tokens, parents, boost
+
+
+def _oracle_walk(tok, output: list[int], tokens, parents, logits, after: int | None) -> list[int]:
+    """Plain constrained greedy decoding read down the tree: at each row, the argmax over the tokens the oracle
+    allows after the output and the row's path (free before `after`)."""
+    kids = {}
+    for i, (t, p) in enumerate(zip(tokens, parents), 1):
+        kids.setdefault((p, t), i)
+    row, emitted = 0, []
+    while True:
+        context = output + emitted
+        start = 0 if after is None else (context.index(after) + 1 if after in context else None)
+        row_logits = logits[row].clone()
+        if start is not None:
+            mask = torch.full_like(row_logits, float("-inf"))
+            mask[sorted(oracle_allowed(tok, text_of(tok, context[start:])))] = 0
+            row_logits = row_logits + mask
+        token = int(row_logits.argmax())
+        emitted.append(token)
+        if (row, token) not in kids:
+            return emitted
+        row = kids[(row, token)]
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_walk_equals_constrained_decoding(tok, vocab, trial):
+    """Random trees whose nodes' tokens get the highest logits at their parents' rows, allowed or not: the walk
+    must follow the grammar state of each row's own path (a mask from the root alone, or none, diverges)."""
+    rnd, think_end = random.Random(trial), tok.specials["</think>"]
+    after = think_end if trial % 2 else None
+    output = tok.encode("maybe 12") if after is None else tok.encode("hm")
+    path = tok.encode("3, redgreen, blue!") if after is None else [think_end] + tok.encode("yes 4, red!")
+    tokens, parents, boost = _tree(tok, rnd, path, 12, free=0 if after is None else 1)
+    logits = torch.randn(len(tokens) + 1, tok.vocab_size, generator=torch.Generator().manual_seed(trial)) / 2
+    for t, p, b in zip(tokens, parents, boost):
+        logits[p, t] = max(float(logits[p, t]), b)  # a token drafted twice under one parent keeps one boost
+    s = Session("s", [1, 2], GenParams(), emit=print, window=0)
+    s.constraint = Constraint(vocab, _grammar(), after)
+    for t in output:
+        s.constraint.advance(t)
+    want = _oracle_walk(tok, output, tokens, parents, logits, after)
+    walk, _ = accept_session(s, tokens, parents, logits)
+    assert walk.tokens == want
+    assert len(walk.accepted_rows) == len(want)
+    assert len(walk.accepted_rows) >= 5, "accepted several tokens deep, through constrained rows"
+    free = walk_tree(tokens, parents, logits.argmax(-1).tolist())
+    assert free.tokens != want, "the forbidden siblings must win without the grammar"
+
+
+def test_first_token_is_constrained(tok, vocab):
+    s = Session("s", [1, 2], GenParams(), emit=print, window=0)
+    s.constraint = Constraint(vocab, _grammar(), None)
+    logits = torch.zeros(tok.vocab_size)
+    logits[tok.encode("x")[0]] = 50.0
+    logits[tok.encode("n")[0]] = 10.0
+    token, _ = first_token(s, logits)
+    assert token == tok.encode("n")[0]
+    assert allowed_by(s.constraint, tok.vocab_size) == oracle_allowed(tok, "n")

@@ -1,0 +1,72 @@
+"""Structured output: the output after `after` (the end of the thinking block), or all of it, must match an
+llguidance grammar (JSON Schema, regex or Lark, compiled by the gateway into llguidance's grammar JSON).
+
+At each output position the target's distribution becomes its restriction to the tokens the grammar allows after
+the output so far (the others get -inf logits, so probabilities renormalize over the allowed ones): constrained
+plain decoding. Speculation keeps that exactly. A tree row's allowed set depends on its own path, and only the rows
+of the accepted path are ever read, so the walk (`stepping.accept_session`) chooses the target's token row by row
+down the accepted path: one mask per emitted token, as plain decoding computes, instead of one per tree row (a mask
+over K2.6's 163,840 ids takes ~0.05-3 ms of CPU; docs/BENCHMARKS.md). Drafted tokens the grammar forbids are simply
+never accepted.
+
+The matcher needs each token id's bytes, so the verifier reads the checkpoint's vocabulary (tiktoken.model); it
+still never sees text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llguidance
+import torch
+
+from service_kit.errors import InvalidArgument
+
+
+def load_vocabulary(model_dir: str, vocab_size: int, eos_ids) -> llguidance.LLTokenizer | None:
+    """The checkpoint's token bytes for grammar masks (ids past the tokenizer's, up to the model's vocab_size, are
+    never allowed), or None for a checkpoint without tiktoken.model (structured output is then refused)."""
+    from gateway.tokenizer import KIMI_PAT_STR, KimiTokenizer  # the checkpoint format's reader
+
+    if not model_dir or not (Path(model_dir) / "tiktoken.model").exists():
+        return None
+    tok = KimiTokenizer.from_dir(model_dir)
+    return llguidance.LLTokenizer.from_tiktoken(  # ~1 s at K2.6's vocabulary; once per process
+        encoder=tok._ranks, special_tokens=tok.specials, pattern=KIMI_PAT_STR,
+        eos_token=sorted(eos_ids) or list(tok.stop_ids), n_vocab=max(vocab_size, tok.vocab_size))
+
+
+class Constraint:
+    """One session's grammar state: a matcher that has consumed the output after the trigger (`after`)."""
+
+    def __init__(self, vocabulary: llguidance.LLTokenizer | None, grammar: str, after: int | None):
+        if vocabulary is None:
+            raise InvalidArgument("grammar", "this verifier has no tokenizer vocabulary (a checkpoint without "
+                                             "tiktoken.model, or synthetic weights): structured output is off")
+        self.matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise InvalidArgument("grammar", self.matcher.get_error())
+        self.after = after
+        self.open = after is None  # the grammar applies from the next token on
+
+    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] logits of the next position -> the same with every token the grammar forbids there at -inf (a new
+        tensor); unchanged before the trigger."""
+        if not self.open:
+            return logits
+        bits = self.matcher.compute_bitmask()  # ceil(n/32) little-endian int32 words: bit i of word w = id 32 w + i
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar: {self.matcher.get_error()}")
+        words = torch.frombuffer(bytearray(bits), dtype=torch.int32).to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten().bool()
+        v = logits.shape[-1]
+        allowed = allowed[:v] if allowed.numel() >= v else torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def advance(self, token: int) -> None:
+        """`token` was emitted: the matcher consumes it (after the trigger), or it opens the grammar."""
+        if not self.open:
+            self.open = token == self.after
+        elif not self.matcher.consume_token(token):
+            raise RuntimeError(f"grammar: emitted token {token} is not allowed: {self.matcher.get_error()}")
