@@ -12,6 +12,10 @@ from ddtree.v1 import generation_pb2 as pb
 from service_kit.errors import InvalidArgument
 
 MAX_GRAMMAR_CHARS = 1 << 20
+# JSON's whitespace between tokens, at most 64 characters a gap: room for pretty-printing (a newline and 16 levels
+# of 4-space indent), no room for the endless whitespace a JSON grammar otherwise lets a model emit. A schema's own
+# "x-guidance" options (llguidance's, e.g. {"whitespace_flexible": false} for compact JSON) override it.
+JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,64}"}
 
 
 def grammar(fmt: pb.ResponseFormat) -> str:
@@ -24,9 +28,12 @@ def grammar(fmt: pb.ResponseFormat) -> str:
     if isinstance(source, str) and not 0 < len(source) <= MAX_GRAMMAR_CHARS:
         raise InvalidArgument(field, f"must be 1..{MAX_GRAMMAR_CHARS} characters")
     if kind == "json_object":
-        text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     elif kind == "json_schema":
-        text = llguidance.LLMatcher.grammar_from_json_schema(_schema(source, field))
+        schema = _schema(source, field)
+        own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+        spaced = "whitespace_flexible" in own or "whitespace_pattern" in own  # the schema chose its whitespace
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=None if spaced else JSON_DEFAULTS)
     elif kind == "regex":
         text = llguidance.LLMatcher.grammar_from_regex(source)
     else:

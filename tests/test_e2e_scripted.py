@@ -248,6 +248,32 @@ def test_forced_tool_call_inside_accepted_paths(scripted, drafter):
     assert got.final.spec_stats.accepted_draft_tokens > 10 and drafter.record.violations == []
 
 
+def test_structured_output_inside_accepted_paths(scripted, drafter):
+    """A JSON Schema format with drafts accepted several tokens deep: each emitted token is chosen under the grammar
+    state after its own path, so DDTree gives AR's tokens, greedy and seeded; the scripted trees' wrong branches
+    include tokens the grammar forbids, which are never accepted."""
+    st, _ = scripted
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+              "n": {"type": "integer", "minimum": 0, "maximum": 999},
+              "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+
+    def req(prompt, mode, budget, n, **sampling):
+        r = gen_request(prompt, n, mode=mode, budget=budget, ignore_eos=False, **sampling)
+        r.response_format.json_schema = json.dumps(schema)
+        return r
+
+    for prompt, sampling in ((PROMPTS[2], {}), (PROMPTS[3], dict(temperature=1.0, seed=3))):
+        ref = generate(st.generation, req(prompt, pb.SPEC_MODE_AR, None, 64, **sampling))
+        json.loads(ref.text)
+        r = req(prompt, pb.SPEC_MODE_DDTREE, 16, 64, **sampling)
+        drafter.expect(r.request_id, ref.final.usage.prompt_tokens, ref.ids)
+        got = generate(st.generation, r)
+        assert got.ids == ref.ids, first_difference(got.ids, ref.ids)
+        assert got.final.spec_stats.accepted_draft_tokens >= len(ref.ids) // 3, got.final.spec_stats
+    assert drafter.record.violations == [], drafter.record.violations[:5]
+
+
 def test_prefix_cache_hit_sends_the_stored_feature_rows(scripted, drafter):
     """A prompt whose pages were cached by an earlier one: the drafter's reset starts within the stored rows of the
     last cached page (a full feature window of 16 rows here), not at the first prefilled position, and the output

@@ -183,6 +183,32 @@ def test_named_tool_choice_returns_that_call(idle, client):
     assert e.value.response.json()["error"]["param"] == "tool_choice"
 
 
+def test_structured_outputs_over_http(idle, client):
+    """response_format json_schema with DDTree over HTTP gives the tokens of the same format by AR over gRPC, and the
+    content is JSON of the schema; completions' structured_outputs.choice answers one of the choices, then stops."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+              "minimum": 1, "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}},
+        extra_body={"spec_mode": "ddtree", "tree_budget": 16, "chat_template_kwargs": {"thinking": False}})
+    answer = json.loads(r.choices[0].message.content)
+    assert answer["city"] in ("Paris", "Oslo") and 1 <= answer["days"] <= 9 and r.choices[0].finish_reason == "stop"
+    req = pb.GenerateRequest()
+    for m in CHAT:
+        req.chat.messages.add(**m)
+    req.chat.thinking = False
+    req.response_format.json_schema = json.dumps(schema)
+    req.stopping.max_new_tokens, req.speculation.mode = 48, pb.SPEC_MODE_AR
+    ref = generate(_Authed(idle.generation), req)
+    assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.ids)
+    c = client.completions.create(model=model, prompt="The best color is", max_tokens=8,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert c.choices[0].text in ("red", "green", "blue") and c.choices[0].finish_reason == "stop", c
+
+
 def test_chat_with_tools_and_tool_turns(idle, client):
     """Tools and a finished tool round trip go through the template as the tokenizer renders them."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -95,7 +95,18 @@ def test_penalties_and_logit_bias_fields(tok):
     ({"prompt": "x", "logit_bias": {"five": 100}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {str(2**40): 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": "100"}}, "logit_bias[5]"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "grammar"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": "json"}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}},
+     "response_format.json_schema.schema"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"ebnf": "a"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"prompt": "x", "structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+    ({"prompt": "x", "structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ({"prompt": "x", "structured_outputs": {"grammar": ["start"]}}, "structured_outputs.grammar"),
 ])
 def test_completion_refusals_name_the_parameter(body, param):
     with pytest.raises(InvalidArgument) as e:
@@ -246,6 +257,59 @@ def test_chat_refusals_name_the_parameter(body, param):
     assert e.value.field == param, e.value.message
 
 
+def test_structured_output_fields():
+    """response_format and vLLM's structured_outputs -> GenerateRequest.response_format."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    cases = [
+        ({"response_format": {"type": "text"}}, None, None),
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}},
+         "json_schema", schema),
+        ({"structured_outputs": {"json": schema}}, "json_schema", schema),
+        ({"structured_outputs": {"json": json.dumps(schema)}}, "json_schema", schema),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, "lark", 'start: "a"'),
+        ({"structured_outputs": {"json_object": True}}, "json_object", True),
+        ({"structured_outputs": {"choice": ['say "hi"', "ünï"]}}, "lark", 'start: "say \\"hi\\"" | "ünï"'),
+    ]
+    for extra, kind, want in cases:
+        for req in (chat_request({**chat, **extra}), completion_request({"prompt": "x", **extra})):
+            fmt = req.response_format
+            assert fmt.WhichOneof("format") == kind, extra
+            if kind == "json_schema":
+                assert json.loads(fmt.json_schema) == want
+            elif kind is not None:
+                assert getattr(fmt, kind) == want
+
+
+def test_structured_output_grammars(tok):
+    """The gateway compiles each format into an llguidance grammar, with bounded JSON whitespace unless the schema
+    chooses its own; the answer follows </think> in thinking mode."""
+    import llguidance
+
+    def job(extra, **fields):
+        return to_job(chat_request({"messages": [{"role": "user", "content": "x"}], **extra, **fields}), tok,
+                      LIMITS_LONG).request
+
+    for extra in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a|b"}},
+                  {"structured_outputs": {"choice": ["x", "y"]}}, {"structured_outputs": {"grammar": 'start: "q"'}}):
+        r = job(extra)
+        assert r.grammar and llguidance.LLMatcher.validate_grammar(r.grammar) == "", extra
+    bounded = job({"response_format": {"type": "json_object"}}).grammar
+    assert "{1,64}" in bounded
+    own = {"type": "object", "x-guidance": {"whitespace_flexible": False}}
+    assert "{1,64}" not in job({"structured_outputs": {"json": own}}).grammar
+    thinking = job({"response_format": {"type": "json_object"}}, chat_template_kwargs={"thinking": True})
+    assert thinking.grammar_after_id == tok.think_tokens.end
+    assert not job({"response_format": {"type": "json_object"}}, chat_template_kwargs={"thinking": False}) \
+        .HasField("grammar_after_id")
+    assert not job({}).grammar
+    with pytest.raises(InvalidArgument) as e:  # a forced tool call is not the format's text
+        job({"response_format": {"type": "json_object"}}, tools=[WEATHER], tool_choice="required")
+    assert e.value.field == "response_format"
+
+
 @pytest.mark.parametrize("body, chat, param", [
     ({"prompt": "x", "temperature": -1}, False, "temperature"),
     ({"prompt": "x", "top_p": 0}, False, "top_p"),
@@ -261,6 +325,12 @@ def test_chat_refusals_name_the_parameter(body, param):
     ({"prompt": "x", "logprobs": 21}, False, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, True, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, True, "top_logprobs"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strang"}}}},
+     False, "response_format.json_schema"),
+    ({"prompt": "x", "structured_outputs": {"regex": "(a"}}, False, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"grammar": "start: b"}}, False, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a"}, "min_tokens": 2}, False, "min_tokens"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a"}, "ignore_eos": True}, False, "ignore_eos"),
 ])
 def test_validation_errors_carry_openai_names(tok, body, chat, param):
     """The shared validation (gateway/validation.py) names proto paths; the HTTP client sees its own names."""
