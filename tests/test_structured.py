@@ -68,7 +68,8 @@ def _tree(tok, rnd: random.Random, path: list[int], extra: int, free: int) -> tu
     """A tree holding `path` (node i + 1 under node i), a forbidden sibling ("x", "?" or EOS) next to each path node
     with a higher logit at their parent's row (lower for the first `free` path nodes, which precede the grammar),
     and `extra` random nodes -> tokens, parents and each node's logit boost at its parent's row."""
-    pool = [t for w in ("yes", "no", " 1", "2", ", ", "red", "green", "!", "x", "maybe", " ", "blue") for t in tok.encode(w)]
+    words = ("yes", "no", " 1", "2", ", ", "red", "green", "!", "x", "maybe", " ", "blue")
+    pool = [t for w in words for t in tok.encode(w)]
     bad = [tok.encode("x")[0], tok.encode("?")[0], tok.stop_ids[0]]
     tokens, parents, boost, row = [], [], [], 0
     for i, t in enumerate(path):

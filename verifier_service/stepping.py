@@ -63,7 +63,8 @@ def accept_session(s: Session, tokens: list[int], parents: list[int], logits: to
         walk = constrained_walk(s, tokens, parents, logits)
     else:
         targets = argmax if greedy and argmax is not None else target_tokens(s, logits, tree_depths(parents))
-        walk = forced_walk(tokens, parents, targets, force_depth) if force_depth else walk_tree(tokens, parents, targets)
+        walk = (forced_walk(tokens, parents, targets, force_depth) if force_depth
+                else walk_tree(tokens, parents, targets))
     logprobs = []
     if s.params.return_logprobs:
         # Emitted token j was predicted by accepted row j (root first); bonus by the last accepted row.
