@@ -11,9 +11,6 @@ Special ids are n + i for i in 0..255, as in tokenization_kimi.py; unnamed slots
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,24 +20,9 @@ import tiktoken
 from gateway.chat import ChatTemplate
 from gateway.reasoning import ThinkTokens
 from gateway.tool_calls import MARKERS, ToolCallTokens
+from service_kit.vocab import (KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, added_tokens,  # noqa: F401 (re-exported)
+                              load_tiktoken_ranks, read_json, special_names)
 
-# The K2-family pre-tokenizer, alternative by alternative as `pat_str` in tokenization_kimi.py: Han runs;
-# words (optional leading non-letter, cased letters with Han excluded, optional English contraction);
-# 1-3 digits; punctuation runs with trailing newlines; newline runs; spaces not before a non-space; spaces.
-_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-KIMI_PAT_STR = "|".join([
-    r"[\p{Han}]+",
-    r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTION,
-    r"[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTION,
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
-NUM_RESERVED_SPECIAL_TOKENS = 256
 
 # tokenization_kimi.py cuts the text before tiktoken sees it (400k-char blocks, then runs of >25k
 # whitespace or non-whitespace chars, tiktoken issue 195). The cuts change ids at the seam, so we repeat
@@ -79,61 +61,11 @@ def _split_like_kimi(text: str) -> list[str]:
     return pieces
 
 
-def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """Parse a tiktoken.model file; ranks must be exactly 0..n-1 because special ids start at n."""
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read BPE ranks ({e.strerror})") from e
-    ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            token_b64, rank_str = line.split()
-            token, rank = base64.b64decode(token_b64, validate=True), int(rank_str)
-        except (ValueError, binascii.Error) as e:
-            raise ValueError(f"{path}:{lineno}: expected 'base64token rank', got {line[:80]!r}") from e
-        if token in ranks:
-            raise ValueError(f"{path}:{lineno}: duplicate token {token!r}")
-        ranks[token] = rank
-    if not ranks:
-        raise ValueError(f"{path}: no BPE ranks")
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks must be exactly 0..{len(ranks) - 1} (got duplicates or gaps)")
-    if any(bytes([b]) not in ranks for b in range(256)):
-        raise ValueError(f"{path}: every single byte must have a rank (byte-level BPE)")
-    return ranks
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
-
-
 def _token_name(value: Any, default: str | None) -> str | None:
     """bos_token etc. are either a string or a serialized AddedToken {"content": ...}."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else default
-
-
-def _added_tokens(cfg: dict[str, Any], path: Path) -> tuple[dict[int, str], set[int]]:
-    names, not_special = {}, set()
-    for key, entry in (cfg.get("added_tokens_decoder") or {}).items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("content"), str) and key.isdigit()):
-            raise ValueError(f"{path}: added_tokens_decoder[{key!r}] needs an integer id and a 'content' string")
-        names[int(key)] = entry["content"]
-        if entry.get("special") is False:
-            not_special.add(int(key))
-    return names, not_special
 
 
 def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> ChatTemplate | None:
@@ -165,7 +97,7 @@ class KimiTokenizer:
         special_range = range(n, n + NUM_RESERVED_SPECIAL_TOKENS)
         if stray := sorted(set(added_tokens) - set(special_range)):
             raise ValueError(f"added token ids {stray[:5]} are outside the reserved range [{n}, {n + 256})")
-        self.specials = {added_tokens.get(i, f"<|reserved_token_{i}|>"): i for i in special_range}
+        self.specials = special_names(n, added_tokens)
         if len(self.specials) != NUM_RESERVED_SPECIAL_TOKENS:
             raise ValueError("special token names must be unique")
         self.num_regular = n
@@ -195,8 +127,8 @@ class KimiTokenizer:
             raise ValueError(f"{model_dir}: not a directory")
         ranks = load_tiktoken_ranks(model_dir / "tiktoken.model")
         config_path = model_dir / "tokenizer_config.json"
-        cfg = _read_json(config_path)
-        added, not_special = _added_tokens(cfg, config_path)
+        cfg = read_json(config_path)
+        added, not_special = added_tokens(cfg, config_path)
         template = _chat_template(model_dir, cfg)
         try:  # what the constructor rejects (token names, ids) comes from tokenizer_config.json
             return cls(ranks, added, chat_template=template,

@@ -140,3 +140,13 @@ def test_first_token_is_constrained(tok, vocab):
     token, _ = first_token(s, logits)
     assert token == tok.encode("n")[0]
     assert allowed_by(s.constraint, tok.vocab_size) == oracle_allowed(tok, "n")
+
+
+def test_bench_grammar_constrains_every_sample_answer(capsys):
+    """`ddtree bench grammar` walks each format's sample answer through a Constraint (every token must be allowed)."""
+    from service_kit.cli import main
+
+    assert main(["bench", "grammar", "--vocab", f"{MODEL}/tiktoken.model", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| json") or
+            line.startswith("| regex")]
+    assert len(rows) == 4, rows

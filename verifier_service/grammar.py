@@ -9,8 +9,8 @@ down the accepted path: one mask per emitted token, as plain decoding computes, 
 over K2.6's 163,840 ids takes ~0.05-3 ms of CPU; docs/BENCHMARKS.md). Drafted tokens the grammar forbids are simply
 never accepted.
 
-The matcher needs each token id's bytes, so the verifier reads the checkpoint's vocabulary (tiktoken.model); it
-still never sees text.
+The matcher needs each token id's bytes, so the verifier reads the checkpoint's vocabulary (tiktoken.model, through
+service_kit/vocab.py); it still never sees text.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import torch
 
 from service_kit.errors import InvalidArgument
+from service_kit.vocab import KIMI_PAT_STR, read_vocab
 
 
 def load_vocabulary(model_dir: str, vocab_size: int, eos_ids) -> llguidance.LLTokenizer | None:
     """The checkpoint's token bytes for grammar masks (ids past the tokenizer's, up to the model's vocab_size, are
     never allowed), or None for a checkpoint without tiktoken.model (structured output is then refused)."""
-    from gateway.tokenizer import KIMI_PAT_STR, KimiTokenizer  # the checkpoint format's reader
-
     if not model_dir or not (Path(model_dir) / "tiktoken.model").exists():
         return None
-    tok = KimiTokenizer.from_dir(model_dir)
+    ranks, specials = read_vocab(model_dir)
     return llguidance.LLTokenizer.from_tiktoken(  # ~1 s at K2.6's vocabulary; once per process
-        encoder=tok._ranks, special_tokens=tok.specials, pattern=KIMI_PAT_STR,
-        eos_token=sorted(eos_ids) or list(tok.stop_ids), n_vocab=max(vocab_size, tok.vocab_size))
+        encoder=ranks, special_tokens=specials, pattern=KIMI_PAT_STR, eos_token=sorted(eos_ids),
+        n_vocab=max(vocab_size, len(ranks) + len(specials)))
 
 
 class Constraint:
@@ -57,12 +57,7 @@ class Constraint:
         bits = self.matcher.compute_bitmask()  # ceil(n/32) little-endian int32 words: bit i of word w = id 32 w + i
         if self.matcher.is_error():
             raise RuntimeError(f"grammar: {self.matcher.get_error()}")
-        words = torch.frombuffer(bytearray(bits), dtype=torch.int32).to(logits.device)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten().bool()
-        v = logits.shape[-1]
-        allowed = allowed[:v] if allowed.numel() >= v else torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
-        return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(~_allowed(bits, logits.shape[-1], logits.device), float("-inf"))
 
     def advance(self, token: int) -> None:
         """`token` was emitted: the matcher consumes it (after the trigger), or it opens the grammar."""
@@ -70,3 +65,17 @@ class Constraint:
             self.open = token == self.after
         elif not self.matcher.consume_token(token):
             raise RuntimeError(f"grammar: emitted token {token} is not allowed: {self.matcher.get_error()}")
+
+
+def _allowed(bits: bytes, v: int, device: torch.device) -> torch.Tensor:
+    """The grammar's bitmask -> [v] bool (ids past the mask's end: False). On a GPU the 4 bytes per 32 ids travel
+    and expand there; on the host numpy unpacks them (a torch shift-and-mask over 32 x 6K words takes ~2 ms)."""
+    if device.type == "cpu":
+        flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(flags[:v].view(np.bool_))
+    else:
+        words = torch.frombuffer(bytearray(bits), dtype=torch.int32).to(device, non_blocking=True)
+        allowed = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1).flatten()[:v].bool()
+    if allowed.numel() < v:
+        allowed = torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
+    return allowed
