@@ -88,6 +88,7 @@ def run(args) -> int:
     report = {"model": str(model), "drafter": str(drafter), "device": args.device, "dtype": args.dtype,
               "drafter_device": drafter_device, "drafter_dtype": args.drafter_dtype,
               "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
+              "response_format": args.response_format,
               "prompts": [{"key": p["key"], "tokens": len(p["ids"])} for p in prompts],
               "torch": torch.__version__, "rows": []}
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -103,7 +104,7 @@ def run(args) -> int:
         report["rows"] += run_e2e(model, drafter, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                   seed=args.seed, device=args.device, dtype=args.dtype,
                                   drafter_device=drafter_device, drafter_dtype=args.drafter_dtype,
-                                  log_dir=out / "logs", log=log)
+                                  log_dir=out / "logs", log=log, response_format=args.response_format)
     estimate_rpc(report["rows"])
     report["summary"] = summary(report["rows"])
     (out / "bench_spec.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -140,12 +141,18 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="also run through the three gRPC services (needs the generated stubs)")
     p.add_argument("--drafter-device", default=None,
                    help="--e2e: the drafter service's device (e.g. cuda:1, its own GPU as deployed; default --device)")
+    p.add_argument("--response-format", default="",
+                   help="--e2e only: structured output for every request, \"json_object\" or a JSON Schema's JSON text "
+                        "(GenerateRequest.response_format); requests then end at EOS once the answer is complete")
     p.add_argument("--out", default="bench-out")
     p.set_defaults(func=_run_cmd)
     return p
 
 
 def _run_cmd(args) -> int:
+    if args.response_format and (args.in_process or not args.e2e):
+        print("bench spec: --response-format needs --e2e --no-in-process (the engine applies it)", file=sys.stderr)
+        return 2
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if args.drafter_dtype is None:

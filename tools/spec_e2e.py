@@ -9,6 +9,7 @@ verify, accept/commit, and the rest of the wall time (gateway, streaming, schedu
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -43,10 +44,11 @@ class Streamed(NamedTuple):
 
 def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict], *, modes: list[tuple[str, int]],
             temperatures: list[float], max_new: int, seed: int, device: str, dtype: str, log_dir: Path,
-            drafter_device: str | None = None, drafter_dtype: str | None = None, log=print) -> list[dict]:
+            drafter_device: str | None = None, drafter_dtype: str | None = None, log=print,
+            response_format: str = "") -> list[dict]:
     """Three service processes on loopback; one Generate stream per prompt and mode. The drafter runs on
     `drafter_device` (default `device`): its own GPU, as deployed, or the verifier's; in `drafter_dtype`
-    (default `dtype`)."""
+    (default `dtype`). `response_format`: "json_object" or a JSON Schema's text, for every request."""
     import grpc
 
     from ddtree.v1 import generation_pb2_grpc as pb_grpc
@@ -64,12 +66,13 @@ def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict],
         rows = []
         with grpc.insecure_channel(f"127.0.0.1:{ports['gateway']}") as ch:
             stub = pb_grpc.GenerationStub(ch)
-            _generate(stub, prompts[0]["ids"], DDTREE, 4, 0.0, seed, max_new)  # warm-up
+            gen = functools.partial(_generate, fmt=response_format)
+            gen(stub, prompts[0]["ids"], DDTREE, 4, 0.0, seed, max_new)  # warm-up
             for temp in temperatures:
                 ar_ids = None
                 for mode, budget in modes:
                     before = _metric_sums(ports["verifier_metrics"]) | _metric_sums(ports["drafter_metrics"])
-                    outs = [_generate(stub, p["ids"], mode, budget, temp, seed + i, max_new)
+                    outs = [gen(stub, p["ids"], mode, budget, temp, seed + i, max_new)
                             for i, p in enumerate(prompts)]
                     after = _metric_sums(ports["verifier_metrics"]) | _metric_sums(ports["drafter_metrics"])
                     row = _row(outs, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}, mode, budget, temp)
@@ -156,14 +159,20 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             p.wait(5)
 
 
-def _generate(stub, prompt: list[int], mode: str, budget: int, temp: float, seed: int, max_new: int) -> Streamed:
-    """One Generate stream of exactly max_new tokens (EOS ignored); seeded sampling when temp > 0."""
+def _generate(stub, prompt: list[int], mode: str, budget: int, temp: float, seed: int, max_new: int,
+              fmt: str = "") -> Streamed:
+    """One Generate stream of exactly max_new tokens (EOS ignored), or with a response format `fmt` up to the
+    complete answer's EOS; seeded sampling when temp > 0."""
     from ddtree.v1 import generation_pb2 as pb
 
     req = pb.GenerateRequest(request_id=uuid.uuid4().hex)
     req.token_ids.ids.extend(prompt)
     req.stopping.max_new_tokens = max_new
-    req.stopping.ignore_eos = True
+    req.stopping.ignore_eos = not fmt
+    if fmt == "json_object":
+        req.response_format.json_object = True
+    elif fmt:
+        req.response_format.json_schema = fmt
     req.speculation.mode = {AR: pb.SPEC_MODE_AR, CHAIN: pb.SPEC_MODE_CHAIN, DDTREE: pb.SPEC_MODE_DDTREE}[mode]
     if mode == DDTREE:
         req.speculation.tree_budget = budget
