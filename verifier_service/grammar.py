@@ -48,6 +48,7 @@ class Constraint:
             raise InvalidArgument("grammar", self.matcher.get_error())
         self.after = after
         self.open = after is None  # the grammar applies from the next token on
+        self._pinned: torch.Tensor | None = None  # [V] bool host staging of the allowed set, on a GPU
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] logits of the next position -> the same with every token the grammar forbids there at -inf (a new
@@ -57,7 +58,18 @@ class Constraint:
         bits = self.matcher.compute_bitmask()  # ceil(n/32) little-endian int32 words: bit i of word w = id 32 w + i
         if self.matcher.is_error():
             raise RuntimeError(f"grammar: {self.matcher.get_error()}")
-        return logits.masked_fill(~_allowed(bits, logits.shape[-1], logits.device), float("-inf"))
+        v = logits.shape[-1]
+        flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:v].view(np.bool_)
+        if logits.device.type == "cpu":
+            allowed = torch.from_numpy(flags)
+        else:  # one copy of a reused pinned buffer: the walk reads each row's choice (a sync) before the next mask
+            if self._pinned is None or self._pinned.numel() != v:
+                self._pinned = torch.zeros(v, dtype=torch.bool).pin_memory()
+            self._pinned.numpy()[: flags.size] = flags
+            allowed = self._pinned.to(logits.device, non_blocking=True)
+        if allowed.numel() < v:  # ids past the vocabulary's end (CPU only: the pinned buffer is v long, zeroed)
+            allowed = torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
+        return torch.where(allowed, logits, float("-inf"))
 
     def advance(self, token: int) -> None:
         """`token` was emitted: the matcher consumes it (after the trigger), or it opens the grammar."""
@@ -66,16 +78,3 @@ class Constraint:
         elif not self.matcher.consume_token(token):
             raise RuntimeError(f"grammar: emitted token {token} is not allowed: {self.matcher.get_error()}")
 
-
-def _allowed(bits: bytes, v: int, device: torch.device) -> torch.Tensor:
-    """The grammar's bitmask -> [v] bool (ids past the mask's end: False). On a GPU the 4 bytes per 32 ids travel
-    and expand there; on the host numpy unpacks them (a torch shift-and-mask over 32 x 6K words takes ~2 ms)."""
-    if device.type == "cpu":
-        flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(flags[:v].view(np.bool_))
-    else:
-        words = torch.frombuffer(bytearray(bits), dtype=torch.int32).to(device, non_blocking=True)
-        allowed = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1).flatten()[:v].bool()
-    if allowed.numel() < v:
-        allowed = torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
-    return allowed
