@@ -140,7 +140,7 @@ class Handlers:
         n = choice_count(body)
         req.request_id = request.headers.get("X-Request-Id", "")
         with _openai_names(body, chat):
-            job = to_job(req, self.gateway.tokenizer, self.gateway.require_limits())
+            job = await asyncio.to_thread(to_job, req, self.gateway.tokenizer, self.gateway.require_limits())
         if self.lifecycle.draining:
             raise Unavailable("server is draining")
         request_id = job.request.request_id

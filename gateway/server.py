@@ -28,7 +28,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context):
-        job = to_job(request, self.gateway.tokenizer, self.gateway.require_limits())
+        # off the event loop: templating and tokenizing a long prompt, or compiling a grammar, take milliseconds
+        job = await asyncio.to_thread(to_job, request, self.gateway.tokenizer, self.gateway.require_limits())
         remaining = context.time_remaining()
         timeout = self.gateway.config.default_timeout_s if remaining is None else remaining
         async for response in self.gateway.generate(job, timeout):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import regex
 import torch
@@ -14,11 +15,14 @@ from gateway.tokenizer import KimiTokenizer
 from verifier_service.grammar import Constraint, load_vocabulary
 from verifier_service.session import GenParams, Session
 from verifier_service.acceptance import walk_tree
-from verifier_service.stepping import accept_session, first_token
+from verifier_service.grammar import greedy_choice
+from verifier_service.stepping import TOP_K, accept_session, first_token
 
 MODEL = "models/kimi-tiny"
-# ASCII only, no `.` or negated classes: a token with a non-ASCII byte (read as latin-1) can never match.
-PATTERN = r"(yes|no|maybe)( [0-9]{1,3})?(, (red|green|blue)+)*!"
+# ASCII only, no `.` or negated classes: a token with a non-ASCII byte (read as latin-1) can never match. No run of
+# two or more forced bytes either: there llguidance allows only the first token of the run's canonical tokenization
+# (after "(red|green)" and "g", "re" but not "r" or "ree"), which a prefix oracle does not model.
+PATTERN = r"[yn]( [0-9]{1,3})?(,[rgb]+)*!"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def allowed_by(c: Constraint, v: int) -> set[int]:
 
 def test_masks_equal_the_regex_oracle(tok, vocab):
     c, consumed = Constraint(vocab, _grammar(), None), []
-    for piece in ["", "ye", "s", " 4", "2", ", re", "d", "blue", "!"]:
+    for piece in ["", "y", " 4", "2", ",r", "gb", ",b", "!"]:
         for t in tok.encode(piece):
             c.advance(t)
             consumed.append(t)
@@ -68,7 +72,7 @@ def _tree(tok, rnd: random.Random, path: list[int], extra: int, free: int) -> tu
     """A tree holding `path` (node i + 1 under node i), a forbidden sibling ("x", "?" or EOS) next to each path node
     with a higher logit at their parent's row (lower for the first `free` path nodes, which precede the grammar),
     and `extra` random nodes -> tokens, parents and each node's logit boost at its parent's row."""
-    words = ("yes", "no", " 1", "2", ", ", "red", "green", "!", "x", "maybe", " ", "blue")
+    words = ("y", "n", " 1", "2", ",", "r", "g", "!", "x", "yes", " ", "b", "gb")
     pool = [t for w in words for t in tok.encode(w)]
     bad = [tok.encode("x")[0], tok.encode("?")[0], tok.stop_ids[0]]
     tokens, parents, boost, row = [], [], [], 0
@@ -80,7 +84,7 @@ def _tree(tok, rnd: random.Random, path: list[int], extra: int, free: int) -> tu
     for _ in range(extra):
         parents.append(rnd.randrange(0, len(tokens) + 1))
         tokens.append(rnd.choice(pool))
-        boost.append(8.0 + rnd.random())
+        boost.append(6.0 + rnd.random())  # below the path: the walk goes the whole path
     return tokens, parents, boost
 
 
@@ -106,14 +110,17 @@ def _oracle_walk(tok, output: list[int], tokens, parents, logits, after: int | N
         row = kids[(row, token)]
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
 @pytest.mark.parametrize("trial", range(6))
-def test_walk_equals_constrained_decoding(tok, vocab, trial):
+def test_walk_equals_constrained_decoding(tok, vocab, trial, host):
     """Random trees whose nodes' tokens get the highest logits at their parents' rows, allowed or not: the walk
-    must follow the grammar state of each row's own path (a mask from the root alone, or none, diverges)."""
+    must follow the grammar state of each row's own path (a mask from the root alone, or none, diverges). `host`:
+    as the engine runs it, with the likeliest path's masks computed ahead and greedy rows choosing on the host from
+    their argmax and top-k."""
     rnd, think_end = random.Random(trial), tok.specials["</think>"]
     after = think_end if trial % 2 else None
-    output = tok.encode("maybe 12") if after is None else tok.encode("hm")
-    path = tok.encode("3, redgreen, blue!") if after is None else [think_end] + tok.encode("yes 4, red!")
+    output = tok.encode("y 12") if after is None else tok.encode("hm")
+    path = tok.encode("3,rgbr,gb!") if after is None else [think_end] + tok.encode("n 4,rr,g!")
     tokens, parents, boost = _tree(tok, rnd, path, 12, free=0 if after is None else 1)
     logits = torch.randn(len(tokens) + 1, tok.vocab_size, generator=torch.Generator().manual_seed(trial)) / 2
     for t, p, b in zip(tokens, parents, boost):
@@ -123,7 +130,12 @@ def test_walk_equals_constrained_decoding(tok, vocab, trial):
     for t in output:
         s.constraint.advance(t)
     want = _oracle_walk(tok, output, tokens, parents, logits, after)
-    walk, _ = accept_session(s, tokens, parents, logits)
+    extra = {}
+    if host:
+        s.constraint.look_ahead(tokens, parents)
+        best = logits.topk(TOP_K)
+        extra = dict(argmax=logits.argmax(-1).tolist(), top=list(zip(best.indices.tolist(), best.values.tolist())))
+    walk, _ = accept_session(s, tokens, parents, logits, **extra)
     assert walk.tokens == want
     assert len(walk.accepted_rows) == len(want)
     assert len(walk.accepted_rows) >= 5, "accepted several tokens deep, through constrained rows"
@@ -150,3 +162,47 @@ def test_bench_grammar_constrains_every_sample_answer(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| json") or
             line.startswith("| regex")]
     assert len(rows) == 4, rows
+
+
+def test_greedy_choice_equals_the_masked_argmax():
+    """The host's pick from a row's top-k against torch's argmax of the masked row (the smallest id among equal
+    maxima), on coarse logits full of ties; None only where the top-k cannot decide."""
+    gen = torch.Generator().manual_seed(0)
+    decided = 0
+    for trial in range(400):
+        logits = torch.randint(0, 150, (300,), generator=gen).float()  # many exact ties
+        allowed = torch.rand(300, generator=gen) < (0.02 if trial % 2 else 0.5)
+        bits = np.packbits(allowed.numpy(), bitorder="little").tobytes()
+        best = logits.topk(16)
+        got = greedy_choice(bits, best.indices.tolist(), best.values.tolist())
+        masked = torch.where(allowed, logits, float("-inf"))
+        if got is None:
+            kth = float(best.values[-1])
+            assert not allowed.any() or float(masked.max()) <= kth
+        else:
+            decided += 1
+            assert got == int(masked.argmax()), trial
+    assert decided > 100
+
+
+def test_look_ahead_leaves_the_matcher_and_masks_the_likeliest_path(tok, vocab):
+    c = Constraint(vocab, _grammar(), None)
+    for t in tok.encode("n 7"):
+        c.advance(t)
+    before = c.mask()
+    path = tok.encode("5,ggr,b!")
+    tokens, parents = [], []
+    for i, t in enumerate(path):  # the chain, each node with a later sibling that the grammar also allows
+        tokens += [t, tok.encode("9")[0]]
+        parents += [2 * i - 1 if i else 0, 2 * i - 1 if i else 0]
+    c.look_ahead(tokens, parents)
+    assert c.mask() == before
+    ahead = c.take_ahead()
+    text = "n 7"
+    row = 0
+    for i, t in enumerate(path):
+        assert sorted(np.nonzero(np.unpackbits(np.frombuffer(ahead[row], np.uint8), bitorder="little"))[0]) == \
+            sorted(oracle_allowed(tok, text)), (i, text)
+        text += tok.token_bytes(t).decode("latin-1")
+        row = 2 * i + 1
+    assert c.take_ahead() == {}

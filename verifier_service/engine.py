@@ -237,12 +237,14 @@ class Engine:
         # what the target chooses from: its logits with the sessions' bias, penalties and forced tokens
         scores = forced_logits(live, penalized_logits(live, out.logits, self.runner.cfg.vocab_size), out.logits,
                                self.eos_ids)
+        top_rows = self._look_ahead(live)  # host work while the forward may still run
         host = fetch_outputs(scores, out.hidden if eager else None, argmax=bool(greedy),
-                             logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits)
+                             logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits,
+                             top_rows=top_rows)
         commits, keep, emits = [], [], []
         for job in live:
             s, lr = job["s"], job["logits"]
-            greedy_rows = host.argmax is not None and s.params.greedy and s.constraint is None  # else row by row
+            greedy_rows = host.argmax is not None and s.params.greedy
             if job["kind"] == "prefill":
                 if features and s.features_on:
                     keep.append((s, job["start"], job["rows"]))
@@ -253,7 +255,7 @@ class Engine:
                 s, job["tokens"], job["parents"], scores[lr], self.config.force_accept_depth,
                 argmax=host.argmax[lr] if greedy_rows else None,
                 argmax_logprobs=host.logprobs[lr] if greedy_rows and host.logprobs is not None else None,
-                raw=out.logits[lr])
+                raw=out.logits[lr], top=host.top_of(lr))
             commits.append((s.id, walk.accepted_rows))
             if features and s.features_on:
                 keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
@@ -282,6 +284,19 @@ class Engine:
             self.cache.commit_many(commits)
         for s, kept, reason, stop_id, logprobs, tops, steps in ends:
             self._publish(s, kept, reason, stop_id, logprobs, tops, steps)
+
+    @staticmethod
+    def _look_ahead(live: list[dict]) -> list[int]:
+        """Structured-output sessions: the grammar masks of their trees' likeliest paths, computed now (the
+        forward may still run), and the logit rows whose top-k greedy ones choose from -> those rows."""
+        rows = []
+        for job in live:
+            c = job["s"].constraint
+            if c is not None and job["kind"] == "verify":
+                c.look_ahead(job["tokens"], job["parents"])
+                if job["s"].params.greedy:
+                    rows += range(job["logits"].start, job["logits"].stop)
+        return rows
 
     def _prefilled(self, s: Session, job: dict, out, scores: torch.Tensor, host) -> list[tuple]:
         """A prefill chunk's rows are in: its prompt logprobs if asked for, and after the prompt's last chunk the

@@ -36,6 +36,24 @@ def load_vocabulary(model_dir: str, vocab_size: int, eos_ids) -> llguidance.LLTo
         n_vocab=max(vocab_size, len(ranks) + len(specials)))
 
 
+LOOK_AHEAD_DEPTH = 16  # rows of the likeliest path masked while the forward runs (K2.6 accepts ~4-6 a step)
+
+
+def allows(bits: bytes, token: int) -> bool:
+    """Whether a grammar mask (bit i of byte b = id 8 b + i) allows `token`."""
+    return token >> 3 < len(bits) and bool(bits[token >> 3] >> (token & 7) & 1)
+
+
+def greedy_choice(bits: bytes, ids: list[int], values: list[float]) -> int | None:
+    """The masked argmax from a row's top-k (ids by descending value), exactly as torch's argmax of the masked row
+    picks it (the smallest id among equal maxima); None when the top-k cannot tell (no allowed id in it, or the best
+    allowed value equals the k-th, so an equal one may lie outside)."""
+    best = next((v for t, v in zip(ids, values) if allows(bits, t)), None)
+    if best is None or best == values[-1]:
+        return None
+    return min(t for t, v in zip(ids, values) if v == best and allows(bits, t))
+
+
 class Constraint:
     """One session's grammar state: a matcher that has consumed the output after the trigger (`after`)."""
 
@@ -49,15 +67,50 @@ class Constraint:
         self.after = after
         self.open = after is None  # the grammar applies from the next token on
         self._pinned: torch.Tensor | None = None  # [V] bool host staging of the allowed set, on a GPU
+        self._ahead: dict[int, bytes] = {}  # this step's row -> mask, from look_ahead
+        self._eos = frozenset(vocabulary.eos_tokens)
 
-    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
-        """[V] logits of the next position -> the same with every token the grammar forbids there at -inf (a new
-        tensor); unchanged before the trigger."""
+    def look_ahead(self, tokens: list[int], parents: list[int]) -> None:
+        """While the forward runs: the masks of the rows down the tree's likeliest path (each row's first child; the
+        drafter lists a tree best-first), which the walk then finds ready (`take_ahead`). The matcher ends where it
+        began (rolled back)."""
+        self._ahead = {}
         if not self.open:
-            return logits
-        bits = self.matcher.compute_bitmask()  # ceil(n/32) little-endian int32 words: bit i of word w = id 32 w + i
+            return
+        first: dict[int, int] = {}
+        for node, parent in enumerate(parents, 1):
+            first.setdefault(parent, node)
+        row, consumed = 0, 0
+        while True:
+            self._ahead[row] = bits = self.matcher.compute_bitmask()
+            child = first.get(row)
+            if child is None or consumed == LOOK_AHEAD_DEPTH or self.matcher.is_error():
+                break
+            token = tokens[child - 1]
+            if token in self._eos or not allows(bits, token) or not self.matcher.consume_token(token):
+                break
+            row, consumed = child, consumed + 1
+        self.matcher.rollback(consumed)
+
+    def take_ahead(self) -> dict[int, bytes]:
+        """The masks `look_ahead` left for this step's rows (then none: rows are numbered per step)."""
+        ahead, self._ahead = self._ahead, {}
+        return ahead
+
+    def mask(self) -> bytes:
+        """The allowed set after the output so far: ceil(n/32) little-endian int32 words, bit i of word w = id
+        32 w + i."""
+        bits = self.matcher.compute_bitmask()
         if self.matcher.is_error():
             raise RuntimeError(f"grammar: {self.matcher.get_error()}")
+        return bits
+
+    def restrict(self, logits: torch.Tensor, bits: bytes | None = None) -> torch.Tensor:
+        """[V] logits of the next position -> the same with every token the grammar forbids there at -inf (a new
+        tensor); unchanged before the trigger. `bits`: the current state's mask, when already computed."""
+        if not self.open:
+            return logits
+        bits = self.mask() if bits is None else bits
         v = logits.shape[-1]
         flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:v].view(np.bool_)
         if logits.device.type == "cpu":

@@ -13,6 +13,7 @@ import torch
 
 from verifier_service.acceptance import (Walk, children_by_token, filter_probs, forced_walk, sample_with_uniforms,
                                          tree_depths, walk_tree)
+from verifier_service.grammar import greedy_choice
 from verifier_service.session import Session
 
 
@@ -23,20 +24,34 @@ class HostOutputs:
     argmax: list[int] | None  # the target's argmax per logit row
     logprobs: list[float] | None  # log-softmax of each logit row at its argmax
     hidden: torch.Tensor | None  # host copy of every row's features
+    top: dict[int, tuple[list[int], list[float]]] | None = None  # logit row -> its TOP_K (ids, values), descending
+
+    def top_of(self, rows: slice) -> list[tuple[list[int], list[float]]] | None:
+        """The TOP_K of each of `rows` (a job's logit rows), or None where they were not fetched."""
+        if not self.top or rows.start not in self.top:
+            return None
+        return [self.top[r] for r in range(rows.start, rows.stop)]
+
+
+TOP_K = 32  # a structured-output greedy row picks its masked argmax on the host from these when it can
 
 
 def fetch_outputs(logits: torch.Tensor, hidden: torch.Tensor | None, *, argmax: bool, logprobs: bool,
-                  raw: torch.Tensor | None = None) -> HostOutputs:
+                  raw: torch.Tensor | None = None, top_rows: list[int] = ()) -> HostOutputs:
     """logits [Rl, V] (device) -> argmax per row (and the log-softmax of `raw`, the model's own logits when
-    `logits` are penalized, at it, with `logprobs`), plus a host copy of `hidden` (if given): one device op
-    each, non-blocking copies into pinned memory, one sync."""
+    `logits` are penalized, at it, with `logprobs`), the TOP_K of `top_rows`, plus a host copy of `hidden` (if
+    given): one device op each, non-blocking copies into pinned memory, one sync."""
     top = logits.argmax(-1) if argmax or logprobs else None
     raw = logits if raw is None else raw
     lp = torch.log_softmax(raw, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1) if logprobs else None
+    best = logits[list(top_rows)].topk(min(TOP_K, logits.shape[-1]), dim=-1) if top_rows else None
+    values, ids = (None, None) if best is None else (best.values.float(), best.indices)
     if logits.device.type != "cpu":
-        top, lp, hidden = (None if t is None else t.to("cpu", non_blocking=True) for t in (top, lp, hidden))
+        top, lp, hidden, values, ids = (None if t is None else t.to("cpu", non_blocking=True)
+                                        for t in (top, lp, hidden, values, ids))
         torch.cuda.current_stream(logits.device).synchronize()
-    return HostOutputs(None if top is None else top.tolist(), None if lp is None else lp.tolist(), hidden)
+    tops = None if best is None else dict(zip(top_rows, zip(ids.tolist(), values.tolist())))
+    return HostOutputs(None if top is None else top.tolist(), None if lp is None else lp.tolist(), hidden, tops)
 
 
 def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[int]:
@@ -52,15 +67,16 @@ def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[i
 
 def accept_session(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor,
                    force_depth: int = 0, *, argmax: list[int] | None = None,
-                   argmax_logprobs: list[float] | None = None,
-                   raw: torch.Tensor | None = None) -> tuple[Walk, list[float]]:
+                   argmax_logprobs: list[float] | None = None, raw: torch.Tensor | None = None,
+                   top: list[tuple[list[int], list[float]]] | None = None) -> tuple[Walk, list[float]]:
     """logits [N+1, V] for rows [root, nodes…] → the walk and the logprob of each emitted token (under
     `raw`, the model's own logits when `logits` are penalized).
     force_depth > 0: the TEST ONLY forced walk (acceptance.forced_walk), not the target's choice.
     Greedy sessions may pass the rows' argmax (and its logprob, per row) already on the host."""
     greedy = s.params.greedy
     if s.constraint is not None and not force_depth:
-        walk = constrained_walk(s, tokens, parents, logits)
+        walk = constrained_walk(s, tokens, parents, logits, argmax=argmax, top=top)
+        argmax_logprobs = None  # the emitted tokens need not be the rows' argmax
     else:
         targets = argmax if greedy and argmax is not None else target_tokens(s, logits, tree_depths(parents))
         walk = (forced_walk(tokens, parents, targets, force_depth) if force_depth
@@ -77,15 +93,28 @@ def accept_session(s: Session, tokens: list[int], parents: list[int], logits: to
     return walk, logprobs
 
 
-def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor) -> Walk:
+def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: torch.Tensor, *,
+                     argmax: list[int] | None = None, top: list[tuple[list[int], list[float]]] | None = None) -> Walk:
     """walk_tree for a structured-output session (verifier_service/grammar.py): a row's allowed tokens depend on its
     path, so the target's token is chosen row by row down the accepted path, each from the row's logits restricted
-    by the grammar state after the path (one mask per emitted token); the session's matcher consumes them."""
-    kids = children_by_token(tokens, parents)
+    by the grammar state after the path (one mask per emitted token; those on the likeliest path were computed during
+    the forward); the session's matcher consumes them. Greedy rows choose on the host when they can: before the
+    grammar opens from `argmax`, after it from the row's top-k (`top`: ids and values by descending value)."""
+    c, kids = s.constraint, children_by_token(tokens, parents)
+    ahead = c.take_ahead()
     row, depth, accepted, emitted = 0, 0, [0], []
     while True:
-        token = target_tokens(s, s.constraint.restrict(logits[row]).unsqueeze(0), [depth])[0]
-        s.constraint.advance(token)
+        token = None
+        if s.params.greedy and not c.open and argmax is not None:
+            token = argmax[row]
+        elif s.params.greedy and c.open and top is not None:
+            bits = ahead.pop(row, None) or c.mask()
+            token = greedy_choice(bits, *top[row])
+            ahead[row] = bits
+        if token is None:
+            restricted = c.restrict(logits[row], ahead.pop(row, None) if c.open else None)
+            token = target_tokens(s, restricted.unsqueeze(0), [depth])[0]
+        c.advance(token)
         emitted.append(token)
         child = kids[row].get(token)
         if child is None:
