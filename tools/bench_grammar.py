@@ -4,8 +4,10 @@ FILE is a tiktoken BPE file (`base64(token) rank` lines: a K2.6 checkpoint's tik
 becomes a Kimi-layout vocabulary (its ranks, then 256 reserved special ids). For each format a sample answer is
 tokenized with that vocabulary and constrained token by token, as `stepping.constrained_walk` does once per emitted
 token: `Constraint.restrict` (the grammar's mask over the vocabulary, expanded and applied to a logit row on
-`--device`, synchronized) and `Constraint.advance`. Prints per format the median of llguidance's mask alone, and
-median / p90 / max / mean microseconds per emitted token of the whole restriction.
+`--device`, synchronized) and `Constraint.advance`. Prints per format the median of llguidance's mask alone, of a
+greedy row's host pick from its top-32 given the mask (`grammar.greedy_choice`, then the advance: a structured greedy
+row whose mask the look-ahead computed during the forward costs this), and median / p90 / max / mean microseconds per
+emitted token of the device path (restriction on `--device`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ def _vocabulary(path: str):
     return enc, vocab, n + NUM_RESERVED_SPECIAL_TOKENS, time.perf_counter() - t0
 
 
+def _mask_and_pick(c, ids: list[int], picks: list[float]) -> list[float]:
+    """Per token: llguidance's mask alone (returned, us), and the greedy host path's pick from a top-32 holding the
+    token plus the matcher's advance, given that mask (appended to `picks`, us)."""
+    from verifier_service.grammar import greedy_choice
+
+    masks = []
+    for t in ids:
+        t0 = time.perf_counter()
+        bits = c.matcher.compute_bitmask()
+        t1 = time.perf_counter()
+        top = [t] + [u for u in range(64) if u != t][:31]  # the token first, as the model's best
+        assert greedy_choice(bits, top, [float(32 - i) for i in range(32)]) == t
+        c.advance(t)
+        t2 = time.perf_counter()
+        masks.append((t1 - t0) * 1e6)
+        picks.append((t2 - t1) * 1e6)
+    return masks
+
+
 def main(args) -> int:
     import torch
 
@@ -70,22 +91,17 @@ def main(args) -> int:
     enc, vocab, size, build_s = _vocabulary(args.vocab)
     print(f"vocabulary: {size} ids, LLTokenizer built in {build_s:.2f} s; device {args.device}")
     logits = torch.zeros(size, device=args.device)
-    print("| format | tokens | mask only, median us | median us | p90 us | max us | mean us |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| format | tokens | mask only, median us | host pick, median us | median us | p90 us | max us | mean us |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, fields, answer in formats():
         text = grammar(pb.ResponseFormat(**fields))
         ids = enc.encode_ordinary(answer)
         Constraint(vocab, text, None).restrict(logits)  # the grammar's first mask builds its lexer: not timed
-        masks, times = [], []
+        masks, picks, times = [], [], []
         for _ in range(args.repeats):
+            masks += _mask_and_pick(Constraint(vocab, text, None), ids, picks)
             c = Constraint(vocab, text, None)
-            for t in ids:  # llguidance's mask alone
-                t0 = time.perf_counter()
-                c.matcher.compute_bitmask()
-                masks.append((time.perf_counter() - t0) * 1e6)
-                c.advance(t)
-            c = Constraint(vocab, text, None)
-            for t in ids:  # what the walk does per emitted token
+            for t in ids:  # what the walk does per emitted token on the device path
                 t0 = time.perf_counter()
                 row = c.restrict(logits)
                 if row.device.type == "cuda":
@@ -94,6 +110,6 @@ def main(args) -> int:
                 assert torch.isfinite(row[t]), f"{label}: token {t} is not allowed"
                 c.advance(t)
         q = statistics.quantiles(times, n=10)
-        print(f"| {label} | {len(ids)} | {statistics.median(masks):.0f} | {statistics.median(times):.0f} "
-              f"| {q[-1]:.0f} | {max(times):.0f} | {statistics.fmean(times):.0f} |")
+        print(f"| {label} | {len(ids)} | {statistics.median(masks):.0f} | {statistics.median(picks):.0f} "
+              f"| {statistics.median(times):.0f} | {q[-1]:.0f} | {max(times):.0f} | {statistics.fmean(times):.0f} |")
     return 0

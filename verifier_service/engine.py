@@ -167,9 +167,10 @@ class Engine:
         # A host plan: the runner pads it for a CUDA graph on the host, or moves it in one copy.
         plan = build_plan(seqs, logit_rows=logit_rows, pin=self.runner.device.type == "cuda")
         out = self.runner.forward(plan)
+        top_rows = self._look_ahead(jobs)  # host work while the GPU runs the forward
         self.runner.sync()  # the GPU forward runs asynchronously: time it here, not in the accept phase
         t2 = time.perf_counter()
-        self._finish_step(jobs, out)
+        self._finish_step(jobs, out, top_rows)
         t3 = time.perf_counter()
         metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, rows=plan.num_rows,
                              sessions=len(decoding), prefill=any(job["kind"] == "prefill" for job in jobs))
@@ -221,23 +222,17 @@ class Engine:
             row += len(chunk)
         return seqs, jobs
 
-    def _finish_step(self, jobs, out) -> None:
+    def _finish_step(self, jobs, out, top_rows: list[int]) -> None:
         """Accept, commit and emit every job's rows. The host reads the forward once (argmax of every
-        logit row, and the feature rows unless they are large; sampled sessions sample on the device),
-        the KV commits of all sessions are one copy, and large feature rows one gather + one read."""
-        live, at = [], 0
-        for job in jobs:  # job's logits: a run of out.logits (logit rows are listed job by job)
-            job["logits"] = slice(at, at + len(job["logit_rows"]))
-            at += len(job["logit_rows"])
-            if not job["s"].finished:
-                live.append(job)
+        logit row, the top-k of `top_rows`, and the feature rows unless they are large; sampled sessions sample
+        on the device), the KV commits of all sessions are one copy, and large feature rows one gather + one read."""
+        live = [job for job in jobs if not job["s"].finished]
         greedy = [job for job in live if job["logit_rows"] and job["s"].params.greedy]
         features = out.hidden.shape[-1] > 0 and any(job["s"].features_on for job in live)
         eager = features and out.hidden.numel() * out.hidden.element_size() <= HIDDEN_FETCH_BYTES
         # what the target chooses from: its logits with the sessions' bias, penalties and forced tokens
         scores = forced_logits(live, penalized_logits(live, out.logits, self.runner.cfg.vocab_size), out.logits,
                                self.eos_ids)
-        top_rows = self._look_ahead(live)  # host work while the forward may still run
         host = fetch_outputs(scores, out.hidden if eager else None, argmax=bool(greedy),
                              logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits,
                              top_rows=top_rows)
@@ -286,13 +281,16 @@ class Engine:
             self._publish(s, kept, reason, stop_id, logprobs, tops, steps)
 
     @staticmethod
-    def _look_ahead(live: list[dict]) -> list[int]:
-        """Structured-output sessions: the grammar masks of their trees' likeliest paths, computed now (the
-        forward may still run), and the logit rows whose top-k greedy ones choose from -> those rows."""
-        rows = []
-        for job in live:
+    def _look_ahead(jobs: list[dict]) -> list[int]:
+        """Numbers each job's logit rows (job["logits"]: its run of the forward's logits, listed job by job). For
+        structured-output sessions: the grammar masks of their trees' likeliest paths, computed while the GPU runs
+        the forward -> the logit rows whose top-k the greedy ones choose from."""
+        rows, at = [], 0
+        for job in jobs:
+            job["logits"] = slice(at, at + len(job["logit_rows"]))
+            at += len(job["logit_rows"])
             c = job["s"].constraint
-            if c is not None and job["kind"] == "verify":
+            if c is not None and job["kind"] == "verify" and not job["s"].finished:
                 c.look_ahead(job["tokens"], job["parents"])
                 if job["s"].params.greedy:
                     rows += range(job["logits"].start, job["logits"].stop)
