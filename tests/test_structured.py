@@ -15,7 +15,7 @@ from gateway.tokenizer import KimiTokenizer
 from verifier_service.grammar import Constraint, load_vocabulary
 from verifier_service.session import GenParams, Session
 from verifier_service.acceptance import walk_tree
-from verifier_service.grammar import greedy_choice
+from verifier_service.grammar import greedy_choice, single_token
 from verifier_service.stepping import TOP_K, accept_session, first_token
 
 MODEL = "models/kimi-tiny"
@@ -206,3 +206,13 @@ def test_look_ahead_leaves_the_matcher_and_masks_the_likeliest_path(tok, vocab):
         text += tok.token_bytes(t).decode("latin-1")
         row = 2 * i + 1
     assert c.take_ahead() == {}
+
+
+def test_single_token_reads_a_one_id_mask():
+    def bits(ids, n=4352):
+        flags = np.zeros(n, dtype=bool)
+        flags[list(ids)] = True
+        return np.packbits(flags, bitorder="little").tobytes()
+
+    assert [single_token(bits(ids)) for ids in ([5], [0], [4351], [], [3, 9], [0, 4351])] == [5, 0, 4351, None, None,
+                                                                                               None]

@@ -44,6 +44,12 @@ def allows(bits: bytes, token: int) -> bool:
     return token >> 3 < len(bits) and bool(bits[token >> 3] >> (token & 7) & 1)
 
 
+def single_token(bits: bytes) -> int | None:
+    """The one id a mask allows (the grammar forces it: a key, a bracket), or None."""
+    n = int.from_bytes(bits, "little")
+    return n.bit_length() - 1 if n and n & (n - 1) == 0 else None
+
+
 def greedy_choice(bits: bytes, ids: list[int], values: list[float]) -> int | None:
     """The masked argmax from a row's top-k (ids by descending value), exactly as torch's argmax of the masked row
     picks it (the smallest id among equal maxima); None when the top-k cannot tell (no allowed id in it, or the best

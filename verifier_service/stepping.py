@@ -13,7 +13,7 @@ import torch
 
 from verifier_service.acceptance import (Walk, children_by_token, filter_probs, forced_walk, sample_with_uniforms,
                                          tree_depths, walk_tree)
-from verifier_service.grammar import greedy_choice
+from verifier_service.grammar import greedy_choice, single_token
 from verifier_service.session import Session
 
 
@@ -98,29 +98,34 @@ def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: 
     """walk_tree for a structured-output session (verifier_service/grammar.py): a row's allowed tokens depend on its
     path, so the target's token is chosen row by row down the accepted path, each from the row's logits restricted
     by the grammar state after the path (one mask per emitted token; those on the likeliest path were computed during
-    the forward); the session's matcher consumes them. Greedy rows choose on the host when they can: before the
-    grammar opens from `argmax`, after it from the row's top-k (`top`: ids and values by descending value)."""
-    c, kids = s.constraint, children_by_token(tokens, parents)
-    ahead = c.take_ahead()
+    the forward); the session's matcher consumes them."""
+    kids, ahead = children_by_token(tokens, parents), s.constraint.take_ahead()
     row, depth, accepted, emitted = 0, 0, [0], []
     while True:
-        token = None
-        if s.params.greedy and not c.open and argmax is not None:
-            token = argmax[row]
-        elif s.params.greedy and c.open and top is not None:
-            bits = ahead.pop(row, None) or c.mask()
-            token = greedy_choice(bits, *top[row])
-            ahead[row] = bits
-        if token is None:
-            restricted = c.restrict(logits[row], ahead.pop(row, None) if c.open else None)
-            token = target_tokens(s, restricted.unsqueeze(0), [depth])[0]
-        c.advance(token)
+        token = _constrained_choice(s, row, depth, logits, ahead, argmax, top)
+        s.constraint.advance(token)
         emitted.append(token)
         child = kids[row].get(token)
         if child is None:
             return Walk(accepted_rows=accepted, tokens=emitted, bonus_row=row)
         accepted.append(child)
         row, depth = child, depth + 1
+
+
+def _constrained_choice(s: Session, row: int, depth: int, logits: torch.Tensor, ahead: dict, argmax, top) -> int:
+    """The target's token at `row` under the grammar: on the host when it can tell (a greedy row before the grammar
+    opens: its argmax; the grammar allows one token: that one, whatever the logits or the draw; a greedy row: the
+    masked argmax from its top-k), else restricted and chosen on the device."""
+    c, greedy = s.constraint, s.params.greedy
+    if not c.open:
+        return argmax[row] if greedy and argmax is not None else target_tokens(s, logits[row: row + 1], [depth])[0]
+    bits = ahead.pop(row, None) or c.mask()
+    token = single_token(bits)
+    if token is None and greedy and top is not None:
+        token = greedy_choice(bits, *top[row])
+    if token is None:
+        token = target_tokens(s, c.restrict(logits[row], bits).unsqueeze(0), [depth])[0]
+    return token
 
 
 def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[list[int], list[float]]]:
