@@ -20,7 +20,7 @@ log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
 FEATURES = ("ar", "chain", "ddtree", "sampling", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
             "stop_strings", "min_new_tokens", "chat", "spec_stats", "reasoning_text", "tool_calls", "tool_choice",
-            "prefix_cache_usage")
+            "prefix_cache_usage", "response_format")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

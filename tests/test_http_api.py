@@ -474,7 +474,7 @@ def test_concurrent_http_streams_each_equal_their_grpc_reference(idle, client):
 
 def test_server_info_lists_the_http_surface(idle):
     info = idle.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=5, metadata=AUTH)
-    assert {"openai_http", "reasoning_text", "tool_calls"} <= set(info.supported_features)
+    assert {"openai_http", "reasoning_text", "tool_calls", "response_format"} <= set(info.supported_features)
     with pytest.raises(grpc.RpcError) as e:  # the token guards GetServerInfo too
         idle.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
