@@ -1,7 +1,8 @@
 """The gateway's OpenAI-compatible HTTP surface (aiohttp, in the gRPC server's event loop, over the same
 `Gateway`): POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream`),
 GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (200 when serving, else 503) and
-GET /metrics (Prometheus, as on --metrics-port); the last two need no token, as vLLM's do not.
+GET /metrics (Prometheus, as on --metrics-port); the last two need no token, as vLLM's do not. Anthropic's
+POST /v1/messages and /v1/messages/count_tokens are served beside them (gateway/anthropic_http.py).
 
 Handlers are thin: JSON → GenerateRequest (gateway/openai_api.py) → the same validation, admission and
 pipeline as gRPC `Generate` → JSON. Errors are OpenAI's shape, `{"error": {"message", "type", "param",
@@ -27,7 +28,7 @@ from gateway.openai_api import chat_request, choice_count, completion_request, e
 from gateway.openai_response import OpenAIResponse, merged_response, usage_event
 from gateway.pipeline import Gateway
 from gateway.validation import choice_jobs, prompt_ids, to_job
-from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
+from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, key_ok
 from service_kit.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from service_kit.logs import get_logger
 from service_kit.server import Lifecycle
@@ -42,14 +43,21 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
-def error_body(e: ServiceError) -> tuple[int, dict]:
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                         429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(e: ServiceError, anthropic: bool = False) -> tuple[int, dict]:
     status = HTTP_STATUS.get(e.code, 500)
+    if anthropic:  # the /v1/messages surface
+        return status, {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                                   "message": e.message}}
     return status, {"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
                               "param": e.field, "code": e.code.name.lower()}}
 
 
-def error_response(e: ServiceError) -> web.Response:
-    status, body = error_body(e)
+def error_response(e: ServiceError, anthropic: bool = False) -> web.Response:
+    status, body = error_body(e, anthropic)
     headers = {"Retry-After": "1"} if status in (429, 503) else None  # both clear up on their own
     return web.json_response(body, status=status, headers=headers)
 
@@ -57,18 +65,21 @@ def error_response(e: ServiceError) -> web.Response:
 def make_middleware(api_key: str):
     @web.middleware
     async def middleware(request: web.Request, handler):
-        """The bearer token (all but OPEN_PATHS), then ServiceError → OpenAI error JSON, anything else → 500."""
-        if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), api_key):
-            return error_response(ServiceError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED))
+        """The key (all but OPEN_PATHS; a bearer token, or Anthropic's `x-api-key`), then ServiceError → the
+        surface's error JSON, anything else → 500."""
+        anthropic = request.path.startswith("/v1/messages")
+        if request.path not in OPEN_PATHS and not (bearer_ok(request.headers.get("Authorization"), api_key) or (
+                anthropic and key_ok(request.headers.get("x-api-key"), api_key))):
+            return error_response(ServiceError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED), anthropic)
         try:
             return await handler(request)
         except ServiceError as e:
-            return error_response(e)
+            return error_response(e, anthropic)
         except web.HTTPException:
             raise
         except Exception as e:
             log.exception("http_request_failed", path=request.path)
-            return error_response(ServiceError(f"internal error: {type(e).__name__}: {e}"))
+            return error_response(ServiceError(f"internal error: {type(e).__name__}: {e}"), anthropic)
     return middleware
 
 
@@ -122,6 +133,17 @@ class Handlers:
         if bad is not None:
             raise InvalidArgument(f"tokens[{bad}]", f"{ids[bad]} is outside [0, {vocab})")
         return web.json_response({"prompt": self.gateway.tokenizer.decode(ids)})
+
+    async def json_body(self, request: web.Request) -> dict:
+        return await _json_object(request)
+
+    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        from gateway import anthropic_http  # it builds on this module
+        return await anthropic_http.messages(self, request)
+
+    async def anthropic_count_tokens(self, request: web.Request) -> web.Response:
+        from gateway import anthropic_http
+        return await anthropic_http.count_tokens(self, request)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -275,6 +297,8 @@ def build_app(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig) -> 
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
+    app.router.add_post("/v1/messages", h.anthropic_messages)
+    app.router.add_post("/v1/messages/count_tokens", h.anthropic_count_tokens)
     app.router.add_post("/tokenize", h.tokenize)
     app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/health", h.health)

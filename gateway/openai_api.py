@@ -39,7 +39,7 @@ CHAT_TEMPLATE_KWARGS = ("thinking", "preserve_thinking")  # booleans, into ChatM
 INT32 = 2**31
 
 
-def _get(body: dict, name: str, kind: type | tuple, what: str, default: Any = None, parent: str = "") -> Any:
+def typed(body: dict, name: str, kind: type | tuple, what: str, default: Any = None, parent: str = "") -> Any:
     """body[name] checked against `kind` (bool is not accepted as a number); `parent` prefixes the error's field."""
     value = body.get(name)
     if value is None:
@@ -49,8 +49,8 @@ def _get(body: dict, name: str, kind: type | tuple, what: str, default: Any = No
     return value
 
 
-def _int(body: dict, name: str, default: int | None = None) -> int | None:
-    value = _get(body, name, int, "an integer", default)
+def int32(body: dict, name: str, default: int | None = None) -> int | None:
+    value = typed(body, name, int, "an integer", default)
     if value is not None and not -INT32 <= value < INT32:
         raise InvalidArgument(name, f"{value} is out of range")
     return value
@@ -67,19 +67,19 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     """The parameters chat and completions share, into `req`."""
     _check_unsupported(body)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = _get(body, name, (int, float), "a number")
+        value = typed(body, name, (int, float), "a number")
         if value is not None:
             setattr(req.sampling, name, value)
     _logit_bias(body, req)
-    top_k = _int(body, "top_k")
+    top_k = int32(body, "top_k")
     if top_k is not None and top_k != -1:  # vLLM's spelling of "no top-k"
         req.sampling.top_k = top_k
-    seed = _int(body, "seed")
+    seed = int32(body, "seed")
     if seed is not None:
         if seed < 0:
             raise InvalidArgument("seed", f"must be >= 0, got {seed}")
         req.sampling.seed = seed
-    max_tokens = _int(body, "max_completion_tokens", _int(body, "max_tokens"))
+    max_tokens = int32(body, "max_completion_tokens", int32(body, "max_tokens"))
     if max_tokens is not None:
         req.stopping.max_new_tokens = max_tokens
     stop = body.get("stop")
@@ -87,30 +87,30 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InvalidArgument("stop", "must be a string or a list of strings")
     req.stopping.stop.extend(stops)
-    ids = _get(body, "stop_token_ids", list, "a list of token ids", [])
+    ids = typed(body, "stop_token_ids", list, "a list of token ids", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) and -INT32 <= t < INT32 for t in ids):
         raise InvalidArgument("stop_token_ids", "must be a list of token ids")
     req.stopping.stop_token_ids.extend(ids)
-    req.stopping.ignore_eos = _get(body, "ignore_eos", bool, "a boolean", False)
-    min_tokens = _int(body, "min_tokens")  # vLLM's
+    req.stopping.ignore_eos = typed(body, "ignore_eos", bool, "a boolean", False)
+    min_tokens = int32(body, "min_tokens")  # vLLM's
     if min_tokens:
         req.stopping.min_new_tokens = min_tokens
-    _speculation(body, req)
+    speculation(body, req)
     _structured(body, req)
 
 
 def _structured(body: dict, req: pb.GenerateRequest) -> None:
     """OpenAI's `response_format` or vLLM's `structured_outputs` -> GenerateRequest.response_format."""
-    fmt = _get(body, "response_format", dict, "an object", {})
-    vllm = _get(body, "structured_outputs", dict, "an object", {})
+    fmt = typed(body, "response_format", dict, "an object", {})
+    vllm = typed(body, "structured_outputs", dict, "an object", {})
     if fmt and vllm:
         raise InvalidArgument("structured_outputs", "give response_format or structured_outputs, not both")
     kind = fmt.get("type", "text") if fmt else None
     if kind == "json_object":
         req.response_format.json_object = True
     elif kind == "json_schema":
-        spec = _get(fmt, "json_schema", dict, "an object", {}, parent="response_format.")
-        schema = _get(spec, "schema", dict, "a JSON Schema object", parent="response_format.json_schema.")
+        spec = typed(fmt, "json_schema", dict, "an object", {}, parent="response_format.")
+        schema = typed(spec, "schema", dict, "a JSON Schema object", parent="response_format.json_schema.")
         req.response_format.json_schema = json.dumps(schema if schema is not None else {"type": "object"})
     elif kind not in (None, "text"):
         raise InvalidArgument("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
@@ -128,7 +128,7 @@ def _structured_output(key: str, value: Any, fmt: pb.ResponseFormat) -> None:
             raise InvalidArgument(field, "must be a JSON Schema (an object, or its JSON text)")
         fmt.json_schema = value if isinstance(value, str) else json.dumps(value)
     elif key == "json_object":
-        fmt.json_object = _get({key: value}, key, bool, "a boolean", parent="structured_outputs.")
+        fmt.json_object = typed({key: value}, key, bool, "a boolean", parent="structured_outputs.")
     elif key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise InvalidArgument(field, "must be a non-empty list of non-empty strings")
@@ -141,7 +141,7 @@ def _structured_output(key: str, value: Any, fmt: pb.ResponseFormat) -> None:
 
 def _logit_bias(body: dict, req: pb.GenerateRequest) -> None:
     """OpenAI's {"token id": bias} (keys are strings in JSON; ints accepted too)."""
-    for key, value in _get(body, "logit_bias", dict, "an object of token id: bias", {}).items():
+    for key, value in typed(body, "logit_bias", dict, "an object of token id: bias", {}).items():
         try:
             token = int(key)
         except (TypeError, ValueError):
@@ -153,13 +153,13 @@ def _logit_bias(body: dict, req: pb.GenerateRequest) -> None:
         req.sampling.logit_bias[token] = value
 
 
-def _speculation(body: dict, req: pb.GenerateRequest) -> None:
-    mode = _get(body, "spec_mode", str, "a string")
+def speculation(body: dict, req: pb.GenerateRequest) -> None:
+    mode = typed(body, "spec_mode", str, "a string")
     if mode is not None:
         if mode not in SPEC_MODES:
             raise InvalidArgument("spec_mode", f"must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
         req.speculation.mode = SPEC_MODES[mode]
-    budget = _int(body, "tree_budget")
+    budget = int32(body, "tree_budget")
     if budget is not None:
         req.speculation.tree_budget = budget
 
@@ -180,7 +180,7 @@ def completion_request(body: dict) -> pb.GenerateRequest:
         raise InvalidArgument("prompt", "one prompt per request (batches are not supported)")
     else:
         raise InvalidArgument("prompt", "must be a string or a non-empty list of token ids")
-    logprobs = _int(body, "logprobs")  # n: the sampled token's logprob and the n most likely at its position
+    logprobs = int32(body, "logprobs")  # n: the sampled token's logprob and the n most likely at its position
     req.return_logprobs = logprobs is not None
     req.top_logprobs = logprobs or 0
     echo, prompt_only = echo_flags(body)
@@ -193,7 +193,7 @@ def completion_request(body: dict) -> pb.GenerateRequest:
 
 def echo_flags(body: dict) -> tuple[bool, bool]:
     """Completions' (`echo`, whether only the prompt comes back: `echo` with `max_tokens` 0)."""
-    echo = _get(body, "echo", bool, "a boolean", False)
+    echo = typed(body, "echo", bool, "a boolean", False)
     return echo, echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
 
 
@@ -214,7 +214,7 @@ def _content(message: dict, i: int) -> str:
 def _tool_calls(message: dict, i: int) -> list[pb.ToolCall]:
     """messages[i]'s OpenAI `tool_calls` ([{id, type, function: {name, arguments}}])."""
     calls = []
-    for j, c in enumerate(_get(message, "tool_calls", list, "a list", [], parent=f"messages[{i}].")):
+    for j, c in enumerate(typed(message, "tool_calls", list, "a list", [], parent=f"messages[{i}].")):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidArgument(f"messages[{i}].tool_calls[{j}]", "must be an object with a function name")
@@ -227,7 +227,7 @@ def _tool_calls(message: dict, i: int) -> list[pb.ToolCall]:
 def _tools(body: dict, req: pb.GenerateRequest) -> None:
     """`tools` for the chat template (unless `tool_choice` is "none"); `tool_choice` "required" or
     {"type": "function", "function": {"name": ...}} makes the answer start with a call (ChatMessages.tool_choice)."""
-    tools = _get(body, "tools", list, "a list of tool definitions", [])
+    tools = typed(body, "tools", list, "a list of tool definitions", [])
     for j, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function" \
                 or not isinstance(t.get("function"), dict):
@@ -247,7 +247,7 @@ def _tools(body: dict, req: pb.GenerateRequest) -> None:
 def chat_request(body: dict) -> pb.GenerateRequest:
     """POST /v1/chat/completions: `messages` through the model's chat template, in the gateway."""
     req = pb.GenerateRequest()
-    messages = _get(body, "messages", list, "a list of messages")
+    messages = typed(body, "messages", list, "a list of messages")
     if not messages:
         raise InvalidArgument("messages", "must be a non-empty list")
     for i, m in enumerate(messages):
@@ -256,25 +256,25 @@ def chat_request(body: dict) -> pb.GenerateRequest:
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for the system turn
         message = req.chat.messages.add(role=role, content=_content(m, i))
         for name in ("tool_call_id", "name", "reasoning_content"):
-            setattr(message, name, _get(m, name, str, "a string", "", parent=f"messages[{i}]."))
+            setattr(message, name, typed(m, name, str, "a string", "", parent=f"messages[{i}]."))
         message.tool_calls.extend(_tool_calls(m, i))
     _tools(body, req)
-    kwargs = _get(body, "chat_template_kwargs", dict, "an object", {})
+    kwargs = typed(body, "chat_template_kwargs", dict, "an object", {})
     for key, value in kwargs.items():
         if key not in CHAT_TEMPLATE_KWARGS:
             raise InvalidArgument(f"chat_template_kwargs.{key}", f"unknown (known: {', '.join(CHAT_TEMPLATE_KWARGS)})")
-        value = _get(kwargs, key, bool, "a boolean", parent="chat_template_kwargs.")
+        value = typed(kwargs, key, bool, "a boolean", parent="chat_template_kwargs.")
         if value is not None:
             setattr(req.chat, key, value)
-    req.return_logprobs = _get(body, "logprobs", bool, "a boolean", False)
-    req.top_logprobs = _int(body, "top_logprobs") or 0
+    req.return_logprobs = typed(body, "logprobs", bool, "a boolean", False)
+    req.top_logprobs = int32(body, "top_logprobs") or 0
     _sampling_and_stopping(body, req)
     return req
 
 
 def choice_count(body: dict) -> int:
     """`n`: how many independent choices, each its own generation (seeded requests: choice i uses seed + i)."""
-    n = _int(body, "n", 1)
+    n = int32(body, "n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidArgument("n", f"must be in [1, {MAX_CHOICES}], got {n}")
     return n
@@ -282,9 +282,9 @@ def choice_count(body: dict) -> int:
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
     """(`stream`, `stream_options.include_usage`)."""
-    options = _get(body, "stream_options", dict, "an object", {})
-    include_usage = _get(options, "include_usage", bool, "a boolean", False, parent="stream_options.")
-    return _get(body, "stream", bool, "a boolean", False), include_usage
+    options = typed(body, "stream_options", dict, "an object", {})
+    include_usage = typed(options, "include_usage", bool, "a boolean", False, parent="stream_options.")
+    return typed(body, "stream", bool, "a boolean", False), include_usage
 
 
 def openai_param(field: str, body: dict, chat: bool) -> str:

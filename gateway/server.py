@@ -65,7 +65,7 @@ def server_info(gateway: Gateway) -> pb.ServerInfo:
         default_mode=info.default_mode, default_tree_budget=info.default_tree_budget,
         max_tree_budget=info.max_tree_budget, drafter_block_size=info.drafter_block_size,
         eos_token_ids=info.eos_token_ids,
-        supported_features=FEATURES + (("openai_http",) if gateway.config.http_port else ()),
+        supported_features=FEATURES + (("openai_http", "anthropic_http") if gateway.config.http_port else ()),
         verifier_world_size=info.world_size, drafter_replicas=len(info.drafters),
         drafter_replicas_healthy=healthy, max_concurrent_requests=gateway.config.max_concurrent_requests)
 

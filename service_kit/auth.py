@@ -17,6 +17,11 @@ def bearer_ok(authorization: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
+def key_ok(key: str | None, api_key: str) -> bool:
+    """True when no key is configured or `key` (a bare key header, Anthropic's `x-api-key`) is api_key."""
+    return not api_key or hmac.compare_digest((key or "").strip().encode(), api_key.encode())
+
+
 def grpc_authorization(metadata) -> str | None:
     """The `authorization` value of gRPC invocation metadata ((key, value) pairs, keys lower-case)."""
     return next((v for k, v in metadata or () if k == "authorization"), None)

@@ -209,6 +209,47 @@ def test_structured_outputs_over_http(idle, client):
     assert c.choices[0].text in ("red", "green", "blue") and c.choices[0].finish_reason == "stop", c
 
 
+def _claude(stack, key: str = KEY):
+    import anthropic
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{stack.http_port}", api_key=key, max_retries=0,
+                               timeout=60)
+
+
+def test_anthropic_messages_equal_grpc(idle, client):
+    """Anthropic's client on /v1/messages (its `x-api-key`), DDTree, whole and streamed: the answer of the same chat
+    by AR over gRPC, Anthropic's usage and stop reason, and count_tokens the prompt's length."""
+    claude, model = _claude(idle), client.models.list().data[0].id
+    system, turns = CHAT[0]["content"], CHAT[1:]
+    args = dict(model=model, system=system, messages=turns, max_tokens=N, thinking={"type": "disabled"},
+                extra_body={"spec_mode": "ddtree", "tree_budget": 16})
+    ref, _, answer = chat_ref(idle, thinking=False)
+    whole = claude.messages.create(**args)
+    assert [b.type for b in whole.content] == ["text"] and whole.content[0].text == answer
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == N
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == ref.final.usage.prompt_tokens
+    with claude.messages.stream(**args) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == answer and streamed.stop_reason == "max_tokens"
+    count = claude.messages.count_tokens(model=model, system=system, messages=turns, thinking={"type": "disabled"})
+    assert count.input_tokens == ref.final.usage.prompt_tokens
+
+
+def test_anthropic_errors_are_anthropics_shape(idle):
+    import anthropic
+
+    model = idle.verifier_info().model_name
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _claude(idle).messages.create(model=model, messages=[{"role": "robot", "content": "hi"}], max_tokens=4)
+    err = e.value.response.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith("messages[0].role")
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        _claude(idle, key="wrong").messages.create(model=model, messages=CHAT[1:], max_tokens=4)
+    assert e.value.response.json()["error"]["type"] == "authentication_error"
+    ok = _claude(idle).messages.create(model=model, messages=CHAT[1:], max_tokens=2)  # still serving
+    assert ok.usage.output_tokens == 2
+
+
 def test_chat_with_tools_and_tool_turns(idle, client):
     """Tools and a finished tool round trip go through the template as the tokenizer renders them."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -474,7 +515,8 @@ def test_concurrent_http_streams_each_equal_their_grpc_reference(idle, client):
 
 def test_server_info_lists_the_http_surface(idle):
     info = idle.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=5, metadata=AUTH)
-    assert {"openai_http", "reasoning_text", "tool_calls", "response_format"} <= set(info.supported_features)
+    want = {"openai_http", "anthropic_http", "reasoning_text", "tool_calls", "response_format"}
+    assert want <= set(info.supported_features)
     with pytest.raises(grpc.RpcError) as e:  # the token guards GetServerInfo too
         idle.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
