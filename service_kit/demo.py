@@ -68,6 +68,27 @@ def http_completion(prompt: str) -> None:
           f"tau={stats['mean_acceptance_length']:.2f}")
 
 
+def http_structured() -> None:
+    """Structured output: a chat answer that must be JSON of a schema (the target's tokens, restricted by its grammar)."""
+    base = f"http://127.0.0.1:{HTTP_PORT}/v1"
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+              "required": ["name", "year"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # compact JSON
+    body = {"messages": [{"role": "user", "content": "Name a programming language and the year it appeared."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "language", "schema": schema}},
+            "max_tokens": 64, "tree_budget": 16, "chat_template_kwargs": {"thinking": False}}
+    req = urllib.request.Request(f"{base}/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        answer = json.load(r)
+    choice = answer["choices"][0]
+    content = choice["message"]["content"]
+    parsed = json.loads(content) if choice["finish_reason"] == "stop" else "(cut at max_tokens)"
+    print(f"\n--- POST {base}/chat/completions with response_format json_schema ---\n{content}\n"
+          f"[{choice['finish_reason']}] parsed: {parsed} tau={answer['spec_stats']['mean_acceptance_length']:.2f}")
+
+
 def main() -> int:
     model = resolve_model(os.environ.get("DDTREE_MODEL"))
     print(f"ddtree demo: model {model}", file=sys.stderr)
@@ -87,6 +108,7 @@ def main() -> int:
             stream(stub, pb.SPEC_MODE_DDTREE, budget=16)
             stream(stub, pb.SPEC_MODE_DDTREE, budget=16, temperature=0.8)
         http_completion(PROMPT)
+        http_structured()
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(timeout=60)
