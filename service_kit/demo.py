@@ -69,7 +69,7 @@ def http_completion(prompt: str) -> None:
 
 
 def http_structured() -> None:
-    """Structured output: a chat answer that must be JSON of a schema (the target's tokens, restricted by its grammar)."""
+    """Structured output: a chat answer that must be JSON of a schema (the target's tokens under its grammar)."""
     base = f"http://127.0.0.1:{HTTP_PORT}/v1"
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                                "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
