@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--mode", choices=tuple(MODES), default="default")
     p.add_argument("--tree-budget", type=int, default=None)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="the answer is a JSON object (structured output)")
+    fmt.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid against this JSON Schema file")
+    fmt.add_argument("--regex", help="the answer matches this regular expression")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY", ""),
                    help="the gateway's bearer token [env DDTREE_API_KEY]")
@@ -48,6 +52,13 @@ def build_request(args) -> pb.GenerateRequest:
     req.speculation.mode = MODES[args.mode]
     if args.tree_budget is not None:
         req.speculation.tree_budget = args.tree_budget
+    if args.json:
+        req.response_format.json_object = True
+    elif args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            req.response_format.json_schema = f.read()
+    elif args.regex:
+        req.response_format.regex = args.regex
     return req
 
 

@@ -452,6 +452,22 @@ def test_cli_generate_sends_the_token(idle, capsys):
     assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
+def test_cli_generate_structured_output(idle, capsys, tmp_path):
+    """`ddtree generate --regex / --json-schema`: the printed answer matches the format."""
+    import re
+
+    from service_kit.cli import main
+    base = ["generate", "--address", idle.gateway.address, "--max-new-tokens", "24", "--api-key", KEY, "Count:"]
+    assert main([*base, "--regex", "[0-9]{1,4}( [0-9]{1,4}){0,3}"]) == 0
+    assert re.fullmatch("[0-9]{1,4}( [0-9]{1,4}){0,3}\n", capsys.readouterr().out)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                  "required": ["n"], "additionalProperties": False,
+                                  "x-guidance": {"whitespace_flexible": False}}))
+    assert main([*base, "--json-schema", str(schema)]) == 0
+    assert 0 <= json.loads(capsys.readouterr().out)["n"] <= 99
+
+
 def test_cli_generate_marks_the_thinking_block(idle, capsys):
     from service_kit.cli import main
     user = CHAT[1]["content"]  # the CLI sends one user turn
