@@ -14,7 +14,7 @@ import torch
 from gateway.tokenizer import KimiTokenizer
 from verifier_service.grammar import Constraint, load_vocabulary
 from verifier_service.session import GenParams, Session
-from verifier_service.acceptance import walk_tree
+from verifier_service.acceptance import SessionRng, filter_probs, sample_with_uniforms, walk_tree
 from verifier_service.grammar import greedy_choice, single_token
 from verifier_service.stepping import TOP_K, accept_session, first_token
 
@@ -88,12 +88,14 @@ def _tree(tok, rnd: random.Random, path: list[int], extra: int, free: int) -> tu
     return tokens, parents, boost
 
 
-def _oracle_walk(tok, output: list[int], tokens, parents, logits, after: int | None) -> list[int]:
-    """Plain constrained greedy decoding read down the tree: at each row, the argmax over the tokens the oracle
-    allows after the output and the row's path (free before `after`)."""
+def _oracle_walk(tok, output: list[int], tokens, parents, logits, after: int | None, sampled=None) -> list[int]:
+    """Plain constrained decoding read down the tree: at each row, the argmax over the tokens the oracle allows after
+    the output and the row's path (free before `after`), or with `sampled` = (temperature, seed) a draw from them
+    with the uniform of the row's output position."""
     kids = {}
     for i, (t, p) in enumerate(zip(tokens, parents), 1):
         kids.setdefault((p, t), i)
+    u = SessionRng(sampled[1]).peek(len(tokens) + 1) if sampled else None
     row, emitted = 0, []
     while True:
         context = output + emitted
@@ -103,20 +105,25 @@ def _oracle_walk(tok, output: list[int], tokens, parents, logits, after: int | N
             mask = torch.full_like(row_logits, float("-inf"))
             mask[sorted(oracle_allowed(tok, text_of(tok, context[start:])))] = 0
             row_logits = row_logits + mask
-        token = int(row_logits.argmax())
+        if sampled:
+            probs = filter_probs(row_logits.unsqueeze(0), sampled[0], 0, 1.0)
+            token = int(sample_with_uniforms(probs, u[len(emitted)].reshape(1))[0])
+        else:
+            token = int(row_logits.argmax())
         emitted.append(token)
         if (row, token) not in kids:
             return emitted
         row = kids[(row, token)]
 
 
-@pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
+@pytest.mark.parametrize("how", ["device", "host", "sampled"])
 @pytest.mark.parametrize("trial", range(6))
-def test_walk_equals_constrained_decoding(tok, vocab, trial, host):
+def test_walk_equals_constrained_decoding(tok, vocab, trial, how):
     """Random trees whose nodes' tokens get the highest logits at their parents' rows, allowed or not: the walk
     must follow the grammar state of each row's own path (a mask from the root alone, or none, diverges). `host`:
     as the engine runs it, with the likeliest path's masks computed ahead and greedy rows choosing on the host from
-    their argmax and top-k."""
+    their argmax and top-k; `sampled`: seeded draws at temperature 0.5 (one batched draw before the grammar opens,
+    then row by row)."""
     rnd, think_end = random.Random(trial), tok.specials["</think>"]
     after = think_end if trial % 2 else None
     output = tok.encode("y 12") if after is None else tok.encode("hm")
@@ -125,19 +132,23 @@ def test_walk_equals_constrained_decoding(tok, vocab, trial, host):
     logits = torch.randn(len(tokens) + 1, tok.vocab_size, generator=torch.Generator().manual_seed(trial)) / 2
     for t, p, b in zip(tokens, parents, boost):
         logits[p, t] = max(float(logits[p, t]), b)  # a token drafted twice under one parent keeps one boost
-    s = Session("s", [1, 2], GenParams(), emit=print, window=0)
+    sampled = (0.5, trial) if how == "sampled" else None
+    params = GenParams(temperature=0.5, seed=trial) if sampled else GenParams()
+    s = Session("s", [1, 2], params, emit=print, window=0)
     s.constraint = Constraint(vocab, _grammar(), after)
     for t in output:
         s.constraint.advance(t)
-    want = _oracle_walk(tok, output, tokens, parents, logits, after)
+    want = _oracle_walk(tok, output, tokens, parents, logits, after, sampled)
     extra = {}
-    if host:
+    if how == "host":
         s.constraint.look_ahead(tokens, parents)
         best = logits.topk(TOP_K)
         extra = dict(argmax=logits.argmax(-1).tolist(), top=list(zip(best.indices.tolist(), best.values.tolist())))
     walk, _ = accept_session(s, tokens, parents, logits, **extra)
     assert walk.tokens == want
     assert len(walk.accepted_rows) == len(want)
+    if sampled:  # draws may leave the boosted path early; most trials go deep
+        return
     assert len(walk.accepted_rows) >= 5, "accepted several tokens deep, through constrained rows"
     free = walk_tree(tokens, parents, logits.argmax(-1).tolist())
     assert free.tokens != want, "the forbidden siblings must win without the grammar"

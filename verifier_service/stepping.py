@@ -100,9 +100,16 @@ def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: 
     by the grammar state after the path (one mask per emitted token; those on the likeliest path were computed during
     the forward); the session's matcher consumes them."""
     kids, ahead = children_by_token(tokens, parents), s.constraint.take_ahead()
+    free = None  # every row's unconstrained token, one batched choice, for the rows before the grammar opens
     row, depth, accepted, emitted = 0, 0, [0], []
     while True:
-        token = _constrained_choice(s, row, depth, logits, ahead, argmax, top)
+        if s.constraint.open:
+            token = _constrained_choice(s, row, depth, logits, ahead, top)
+        else:  # e.g. the thinking block: as walk_tree chooses
+            if free is None:
+                free = (argmax if s.params.greedy and argmax is not None
+                        else target_tokens(s, logits, tree_depths(parents)))
+            token = free[row]
         s.constraint.advance(token)
         emitted.append(token)
         child = kids[row].get(token)
@@ -112,13 +119,11 @@ def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: 
         row, depth = child, depth + 1
 
 
-def _constrained_choice(s: Session, row: int, depth: int, logits: torch.Tensor, ahead: dict, argmax, top) -> int:
-    """The target's token at `row` under the grammar: on the host when it can tell (a greedy row before the grammar
-    opens: its argmax; the grammar allows one token: that one, whatever the logits or the draw; a greedy row: the
-    masked argmax from its top-k), else restricted and chosen on the device."""
+def _constrained_choice(s: Session, row: int, depth: int, logits: torch.Tensor, ahead: dict, top) -> int:
+    """The target's token at `row` under the open grammar: on the host when it can tell (the grammar allows one
+    token: that one, whatever the logits or the draw; a greedy row: the masked argmax from its top-k), else
+    restricted and chosen on the device."""
     c, greedy = s.constraint, s.params.greedy
-    if not c.open:
-        return argmax[row] if greedy and argmax is not None else target_tokens(s, logits[row: row + 1], [depth])[0]
     bits = ahead.pop(row, None) or c.mask()
     token = single_token(bits)
     if token is None and greedy and top is not None:
