@@ -16,7 +16,7 @@ from verifier_service.grammar import Constraint, load_vocabulary
 from verifier_service.session import GenParams, Session
 from verifier_service.acceptance import SessionRng, filter_probs, sample_with_uniforms, walk_tree
 from verifier_service.grammar import greedy_choice, single_token
-from verifier_service.stepping import TOP_K, accept_session, first_token
+from verifier_service.stepping import TOP_K, accept_session, draw_ahead, first_token
 
 MODEL = "models/kimi-tiny"
 # ASCII only, no `.` or negated classes: a token with a non-ASCII byte (read as latin-1) can never match. No run of
@@ -116,14 +116,14 @@ def _oracle_walk(tok, output: list[int], tokens, parents, logits, after: int | N
         row = kids[(row, token)]
 
 
-@pytest.mark.parametrize("how", ["device", "host", "sampled"])
+@pytest.mark.parametrize("how", ["device", "host", "sampled", "sampled-ahead"])
 @pytest.mark.parametrize("trial", range(6))
 def test_walk_equals_constrained_decoding(tok, vocab, trial, how):
     """Random trees whose nodes' tokens get the highest logits at their parents' rows, allowed or not: the walk
     must follow the grammar state of each row's own path (a mask from the root alone, or none, diverges). `host`:
     as the engine runs it, with the likeliest path's masks computed ahead and greedy rows choosing on the host from
     their argmax and top-k; `sampled`: seeded draws at temperature 0.5 (one batched draw before the grammar opens,
-    then row by row)."""
+    then row by row), and `sampled-ahead` with the likeliest path's rows drawn in one batch during the step."""
     rnd, think_end = random.Random(trial), tok.specials["</think>"]
     after = think_end if trial % 2 else None
     output = tok.encode("y 12") if after is None else tok.encode("hm")
@@ -132,7 +132,7 @@ def test_walk_equals_constrained_decoding(tok, vocab, trial, how):
     logits = torch.randn(len(tokens) + 1, tok.vocab_size, generator=torch.Generator().manual_seed(trial)) / 2
     for t, p, b in zip(tokens, parents, boost):
         logits[p, t] = max(float(logits[p, t]), b)  # a token drafted twice under one parent keeps one boost
-    sampled = (0.5, trial) if how == "sampled" else None
+    sampled = (0.5, trial) if how.startswith("sampled") else None
     params = GenParams(temperature=0.5, seed=trial) if sampled else GenParams()
     s = Session("s", [1, 2], params, emit=print, window=0)
     s.constraint = Constraint(vocab, _grammar(), after)
@@ -140,6 +140,10 @@ def test_walk_equals_constrained_decoding(tok, vocab, trial, how):
         s.constraint.advance(t)
     want = _oracle_walk(tok, output, tokens, parents, logits, after, sampled)
     extra = {}
+    if how == "sampled-ahead":
+        s.constraint.look_ahead(tokens, parents)
+        draw_ahead(s, logits, parents)
+        assert s.constraint.drawn is not None or not s.constraint.open
     if how == "host":
         s.constraint.look_ahead(tokens, parents)
         best = logits.topk(TOP_K)
@@ -208,7 +212,8 @@ def test_look_ahead_leaves_the_matcher_and_masks_the_likeliest_path(tok, vocab):
         parents += [2 * i - 1 if i else 0, 2 * i - 1 if i else 0]
     c.look_ahead(tokens, parents)
     assert c.mask() == before
-    ahead = c.take_ahead()
+    ahead, drawn = c.take_ahead()
+    assert drawn == {}
     text = "n 7"
     row = 0
     for i, t in enumerate(path):
@@ -216,7 +221,7 @@ def test_look_ahead_leaves_the_matcher_and_masks_the_likeliest_path(tok, vocab):
             sorted(oracle_allowed(tok, text)), (i, text)
         text += tok.token_bytes(t).decode("latin-1")
         row = 2 * i + 1
-    assert c.take_ahead() == {}
+    assert c.take_ahead() == ({}, {})
 
 
 def test_single_token_reads_a_one_id_mask():

@@ -29,7 +29,8 @@ from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
 from verifier_service.session import Emission, Session
-from verifier_service.stepping import accept_session, fetch_outputs, first_token, prompt_logprobs, top_logprobs
+from verifier_service.stepping import (accept_session, draw_ahead, fetch_outputs, first_token, prompt_logprobs,
+                                      top_logprobs)
 
 log = get_logger("verifier.engine")
 # A step's feature rows are read back whole (with the argmax, one sync) up to this size; above it only
@@ -233,6 +234,9 @@ class Engine:
         # what the target chooses from: its logits with the sessions' bias, penalties and forced tokens
         scores = forced_logits(live, penalized_logits(live, out.logits, self.runner.cfg.vocab_size), out.logits,
                                self.eos_ids)
+        for job in live:  # sampled structured-output sessions draw their likeliest paths' rows at once
+            if job["s"].constraint is not None and job["kind"] == "verify":
+                draw_ahead(job["s"], scores[job["logits"]], job["parents"])
         host = fetch_outputs(scores, out.hidden if eager else None, argmax=bool(greedy),
                              logprobs=any(job["s"].params.return_logprobs for job in greedy), raw=out.logits,
                              top_rows=top_rows)

@@ -75,6 +75,7 @@ class Constraint:
         self.open = after is None  # the grammar applies from the next token on
         self._pinned: torch.Tensor | None = None  # [V] bool host staging of the allowed set, on a GPU
         self._ahead: dict[int, bytes] = {}  # this step's row -> mask, from look_ahead
+        self.drawn: tuple[list[int], torch.Tensor] | None = None  # this step's (rows, [rows] device tokens)
         self._eos = frozenset(vocabulary.eos_tokens)
 
     def look_ahead(self, tokens: list[int], parents: list[int]) -> None:
@@ -99,10 +100,22 @@ class Constraint:
             row, consumed = child, consumed + 1
         self.matcher.rollback(consumed)
 
-    def take_ahead(self) -> dict[int, bytes]:
-        """The masks `look_ahead` left for this step's rows (then none: rows are numbered per step)."""
-        ahead, self._ahead = self._ahead, {}
-        return ahead
+    def take_ahead(self) -> tuple[dict[int, bytes], dict[int, int]]:
+        """The masks `look_ahead` left for this step's rows, and the tokens `stepping.draw_ahead` drew at some of
+        them (then none: rows are numbered per step)."""
+        ahead, drawn, self._ahead, self.drawn = self._ahead, self.drawn, {}, None
+        return ahead, ({} if drawn is None else dict(zip(drawn[0], drawn[1].tolist())))
+
+    def ahead_masks(self) -> dict[int, bytes]:
+        return self._ahead
+
+    def allowed_rows(self, masks: list[bytes], v: int, device: torch.device) -> torch.Tensor:
+        """Masks -> [len(masks), v] bool on `device` (ids past the vocabulary's end: False)."""
+        flags = np.unpackbits(np.frombuffer(b"".join(masks), dtype=np.uint8), bitorder="little")
+        flags = flags.reshape(len(masks), -1)[:, :v]
+        if flags.shape[1] < v:
+            flags = np.pad(flags, ((0, 0), (0, v - flags.shape[1])))
+        return torch.from_numpy(np.ascontiguousarray(flags).view(np.bool_)).to(device)
 
     def mask(self) -> bytes:
         """The allowed set after the output so far: ceil(n/32) little-endian int32 words, bit i of word w = id

@@ -99,12 +99,12 @@ def constrained_walk(s: Session, tokens: list[int], parents: list[int], logits: 
     path, so the target's token is chosen row by row down the accepted path, each from the row's logits restricted
     by the grammar state after the path (one mask per emitted token; those on the likeliest path were computed during
     the forward); the session's matcher consumes them."""
-    kids, ahead = children_by_token(tokens, parents), s.constraint.take_ahead()
+    kids, (ahead, drawn) = children_by_token(tokens, parents), s.constraint.take_ahead()
     free = None  # every row's unconstrained token, one batched choice, for the rows before the grammar opens
     row, depth, accepted, emitted = 0, 0, [0], []
     while True:
         if s.constraint.open:
-            token = _constrained_choice(s, row, depth, logits, ahead, top)
+            token = drawn[row] if row in drawn else _constrained_choice(s, row, depth, logits, ahead, top)
         else:  # e.g. the thinking block: as walk_tree chooses
             if free is None:
                 free = (argmax if s.params.greedy and argmax is not None
@@ -131,6 +131,22 @@ def _constrained_choice(s: Session, row: int, depth: int, logits: torch.Tensor, 
     if token is None:
         token = target_tokens(s, c.restrict(logits[row], bits).unsqueeze(0), [depth])[0]
     return token
+
+
+def draw_ahead(s: Session, logits: torch.Tensor, parents: list[int]) -> None:
+    """A sampled structured-output session: its draws at the rows of the likeliest path whose masks the look-ahead
+    computed (and that allow more than one token), in one batched op: each row restricted by its mask and drawn with
+    its position's uniform, as `_constrained_choice` would one by one. Read by the walk (`take_ahead`)."""
+    c = s.constraint
+    rows = [r for r, bits in c.ahead_masks().items() if single_token(bits) is None]
+    if not rows or s.params.greedy:
+        return
+    allowed = c.allowed_rows([c.ahead_masks()[r] for r in rows], logits.shape[-1], logits.device)
+    restricted = torch.where(allowed, logits[rows], float("-inf"))
+    depths = tree_depths(parents)
+    u = s.rng.peek(max(depths[r] for r in rows) + 1)[torch.tensor([depths[r] for r in rows])]
+    p = s.params
+    c.drawn = rows, sample_with_uniforms(filter_probs(restricted, p.temperature, p.top_k, p.top_p), u.to(logits.device))
 
 
 def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[list[int], list[float]]]:
