@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from ddtree.v1 import generation_pb2 as pb
-from gateway.openai_api import int32, speculation, typed
+from gateway.openai_api import int32, speculation, text_parts, typed
 from service_kit.errors import InvalidArgument
 
 TOOL_CHOICES = {"auto": "", "any": "required", "none": "none"}  # "tool" → its name
@@ -60,24 +60,10 @@ def messages_request(body: dict, *, count_only: bool = False) -> pb.GenerateRequ
     return req
 
 
-def _text_blocks(content, field: str) -> str:
-    """A string, or text blocks joined by newlines."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidArgument(field, "must be a string or a list of content blocks")
-    texts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise InvalidArgument(f"{field}[{j}]", 'only {"type": "text", "text": ...} blocks here')
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
 def _system(body: dict, req: pb.GenerateRequest) -> None:
     system = body.get("system")
     if system:
-        req.chat.messages.add(role="system", content=_text_blocks(system, "system"))
+        req.chat.messages.add(role="system", content=text_parts(system, "system"))
 
 
 def _blocks(content, i: int) -> list[dict]:
@@ -102,7 +88,7 @@ def _user(content, i: int, req: pb.GenerateRequest) -> None:
             call_id = typed(block, "tool_use_id", str, "a string", parent=field + ".")
             if not call_id:
                 raise InvalidArgument(field + ".tool_use_id", "required")
-            result = _text_blocks(block.get("content") or "", field + ".content")
+            result = text_parts(block.get("content") or "", field + ".content")
             req.chat.messages.add(role="tool", tool_call_id=call_id,
                                   content=f"Error: {result}" if block.get("is_error") else result)
         else:

@@ -197,18 +197,22 @@ def echo_flags(body: dict) -> tuple[bool, bool]:
     return echo, echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
 
 
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
+def text_parts(content, field: str) -> str:
+    """A string, or a list of {"type": "text", "text": ...} parts joined by newlines (None: empty)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of text parts")
+        raise InvalidArgument(field, "must be a string or a list of text parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InvalidArgument(f"messages[{i}].content[{j}]", "only {\"type\": \"text\", \"text\": ...} parts")
+            raise InvalidArgument(f"{field}[{j}]", "only {\"type\": \"text\", \"text\": ...} parts")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _content(message: dict, i: int) -> str:
+    return text_parts(message.get("content"), f"messages[{i}].content")
 
 
 def _tool_calls(message: dict, i: int) -> list[pb.ToolCall]:
