@@ -11,11 +11,12 @@ import pytest
 import regex
 import torch
 
+from stack import tiny_ckpt  # noqa: F401
+
 from gateway.tokenizer import KimiTokenizer
-from verifier_service.grammar import Constraint, load_vocabulary
-from verifier_service.session import GenParams, Session
 from verifier_service.acceptance import SessionRng, filter_probs, sample_with_uniforms, walk_tree
-from verifier_service.grammar import greedy_choice, single_token
+from verifier_service.grammar import Constraint, greedy_choice, load_vocabulary, single_token
+from verifier_service.session import GenParams, Session
 from verifier_service.stepping import TOP_K, accept_session, draw_ahead, first_token
 
 MODEL = "models/kimi-tiny"
@@ -232,3 +233,49 @@ def test_single_token_reads_a_one_id_mask():
 
     assert [single_token(bits(ids)) for ids in ([5], [0], [4351], [], [3, 9], [0, 4351])] == [5, 0, 4351, None, None,
                                                                                                None]
+
+
+def test_a_failing_grammar_ends_only_its_own_request(tiny_ckpt):  # noqa: F811
+    """A matcher that fails mid-generation (llguidance's parser limits can) ends its request with INVALID_ARGUMENT;
+    the plain request decoded in the same steps gets exactly its solo tokens, and every KV page comes back."""
+    import llguidance
+
+    from verifier_service.config import VerifierConfig
+    from verifier_service.engine import build_engine
+    from verifier_service.grammar import GrammarError
+    from verifier_service.session import AR
+
+    def engine():
+        return build_engine(VerifierConfig(model=str(tiny_ckpt), device="cpu", dtype="float32", kv_cache_mb=8,
+                                           page_size=16, prefix_cache=False))
+
+    def run(e, sessions):
+        for s in sessions:
+            e.submit(s)
+        while not all(s.finished for s in sessions):
+            e._admit()
+            e.step()
+
+    def plain(out):
+        return Session("plain", [5, 17, 300, 41], GenParams(max_new_tokens=12, ignore_eos=True, mode=AR), out.append,
+                       window=0)
+
+    solo = []
+    run(engine(), [plain(solo)])
+    e, together, failed = engine(), [], []
+    bad = Session("bad", [9, 8, 7], GenParams(max_new_tokens=12, mode=AR), failed.append, window=0)
+    bad.constraint = Constraint(e.vocabulary, llguidance.LLMatcher.grammar_from_regex("[a-z ]{1,40}"), None)
+    advance, calls = bad.constraint.advance, []
+
+    def failing(token):
+        calls.append(token)
+        if len(calls) > 3:
+            raise GrammarError("grammar: a parser limit (test)")
+        advance(token)
+    bad.constraint.advance = failing
+    run(e, [plain(together), bad])
+    assert failed[-1].error == "grammar: a parser limit (test)" and failed[-1].error_code == "INVALID_ARGUMENT"
+    assert sum(len(x.token_ids) for x in failed) == 3
+    assert together[-1].error is None
+    assert [t for x in together for t in x.token_ids] == [t for x in solo for t in x.token_ids]
+    assert e.table.num_free == e.table.num_pages

@@ -24,7 +24,7 @@ from service_kit.logs import get_logger
 from verifier_service import metrics
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.forcing import forced_logits
-from verifier_service.grammar import load_vocabulary
+from verifier_service.grammar import GrammarError, load_vocabulary
 from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
@@ -242,33 +242,17 @@ class Engine:
                              top_rows=top_rows)
         commits, keep, emits = [], [], []
         for job in live:
-            s, lr = job["s"], job["logits"]
-            greedy_rows = host.argmax is not None and s.params.greedy
-            if job["kind"] == "prefill":
-                if features and s.features_on:
-                    keep.append((s, job["start"], job["rows"]))
-                emits += self._prefilled(s, job, out, scores, host)
-                continue
-            position = self.table.length(s.id)
-            walk, logprobs = accept_session(
-                s, job["tokens"], job["parents"], scores[lr], self.config.force_accept_depth,
-                argmax=host.argmax[lr] if greedy_rows else None,
-                argmax_logprobs=host.logprobs[lr] if greedy_rows and host.logprobs is not None else None,
-                raw=out.logits[lr], top=host.top_of(lr))
-            commits.append((s.id, walk.accepted_rows))
-            if features and s.features_on:
-                keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
-            drafted = len(job["tokens"])
-            s.stats.record(len(walk.accepted_rows) - 1, drafted)
-            metrics.observe_acceptance(len(walk.accepted_rows), drafted)
-            emits.append((s, walk.tokens, logprobs, top_logprobs(out.logits[lr], walk.accepted_rows,
-                                                                 s.params.top_logprobs), 1))
+            try:
+                self._accept(job, out, scores, host, features, commits, keep, emits)
+            except GrammarError as e:  # this request's grammar failed (a parser limit): it ends, the others go on
+                self._finish(job["s"], Emission([], [], 0, finish_reason=pb.FINISH_REASON_UNSPECIFIED, error=str(e),
+                                                error_code="INVALID_ARGUMENT"))
         kept = self._kept_features(keep, out.hidden, host.hidden) if keep else []
         ends = [(s, *self._settle(s, tokens), logprobs, tops, steps) for s, tokens, logprobs, tops, steps in emits]
         if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
             ready = [s for s, _, reason, *_ in ends if reason is None]
-            chunked = [s for s in (job["s"] for job in live if job["kind"] == "prefill")
-                       if s.prefilled < len(s.prompt) and features and s.features_on]  # mid-prompt: rows go ahead
+            chunked = [s for s in (job["s"] for job in live if job["kind"] == "prefill")  # mid-prompt: rows go ahead
+                       if s.prefilled < len(s.prompt) and features and s.features_on and not s.finished]
             sent = self.drafting.send(ready + chunked, {s.id: (position, rows) for s, position, rows in kept},
                                       ahead={s.id: s.prompt[s.prefilled] for s in chunked})
             if sent is not None:
@@ -277,7 +261,7 @@ class Engine:
             if s.features.end != position + rows.shape[0]:  # else a reset request appended them already
                 s.features.append(position, rows)  # raises unless the ring ends at `position`
         for job in live:  # a session's prompt is one prefill job a step
-            if job["kind"] == "prefill" and job["s"].prefilled == len(job["s"].prompt):
+            if job["kind"] == "prefill" and job["s"].prefilled == len(job["s"].prompt) and not job["s"].finished:
                 self._publish_pages(job["s"], job["s"].prompt)  # its full pages serve later requests from now on
         if commits:
             self.cache.commit_many(commits)
@@ -299,6 +283,32 @@ class Engine:
                 if job["s"].params.greedy:
                     rows += range(job["logits"].start, job["logits"].stop)
         return rows
+
+    def _accept(self, job: dict, out, scores: torch.Tensor, host, features: bool, commits: list, keep: list,
+                emits: list) -> None:
+        """One job's rows: its walk (or the prompt's first token), into the step's commits, kept feature rows
+        and emits."""
+        s, lr = job["s"], job["logits"]
+        if job["kind"] == "prefill":
+            emits += self._prefilled(s, job, out, scores, host)
+            if features and s.features_on:
+                keep.append((s, job["start"], job["rows"]))
+            return
+        greedy_rows = host.argmax is not None and s.params.greedy
+        position = self.table.length(s.id)
+        walk, logprobs = accept_session(
+            s, job["tokens"], job["parents"], scores[lr], self.config.force_accept_depth,
+            argmax=host.argmax[lr] if greedy_rows else None,
+            argmax_logprobs=host.logprobs[lr] if greedy_rows and host.logprobs is not None else None,
+            raw=out.logits[lr], top=host.top_of(lr))
+        commits.append((s.id, walk.accepted_rows))
+        if features and s.features_on:
+            keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
+        drafted = len(job["tokens"])
+        s.stats.record(len(walk.accepted_rows) - 1, drafted)
+        metrics.observe_acceptance(len(walk.accepted_rows), drafted)
+        emits.append((s, walk.tokens, logprobs, top_logprobs(out.logits[lr], walk.accepted_rows,
+                                                             s.params.top_logprobs), 1))
 
     def _prefilled(self, s: Session, job: dict, out, scores: torch.Tensor, host) -> list[tuple]:
         """A prefill chunk's rows are in: its prompt logprobs if asked for, and after the prompt's last chunk the

@@ -37,6 +37,11 @@ def load_vocabulary(model_dir: str, vocab_size: int, eos_ids) -> llguidance.LLTo
         n_vocab=max(vocab_size, len(ranks) + len(specials)))
 
 
+class GrammarError(RuntimeError):
+    """A session's matcher failed mid-generation (e.g. one of llguidance's parser limits): that request ends with
+    INVALID_ARGUMENT, the step's other sessions go on."""
+
+
 LOOK_AHEAD_DEPTH = 16  # rows of the likeliest path masked while the forward runs (K2.6 accepts ~4-6 a step)
 
 
@@ -122,7 +127,7 @@ class Constraint:
         32 w + i."""
         bits = self.matcher.compute_bitmask()
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"grammar: {self.matcher.get_error()}")
         return bits
 
     def restrict(self, logits: torch.Tensor, bits: bytes | None = None) -> torch.Tensor:
@@ -149,5 +154,5 @@ class Constraint:
         if not self.open:
             self.open = token == self.after
         elif not self.matcher.consume_token(token):
-            raise RuntimeError(f"grammar: emitted token {token} is not allowed: {self.matcher.get_error()}")
+            raise GrammarError(f"grammar: emitted token {token} is not allowed: {self.matcher.get_error()}")
 
