@@ -85,25 +85,27 @@ class Constraint:
 
     def look_ahead(self, tokens: list[int], parents: list[int]) -> None:
         """While the forward runs: the masks of the rows down the tree's likeliest path (each row's first child; the
-        drafter lists a tree best-first), which the walk then finds ready (`take_ahead`). The matcher ends where it
-        began (rolled back)."""
+        drafter lists a tree best-first), which the walk then finds ready (`take_ahead`). On a copy of the matcher,
+        so that a failure on a row the walk never reaches cannot touch the session's."""
         self._ahead = {}
         if not self.open:
             return
         first: dict[int, int] = {}
         for node, parent in enumerate(parents, 1):
             first.setdefault(parent, node)
-        row, consumed = 0, 0
+        matcher, row, consumed = self.matcher.deep_copy(), 0, 0
         while True:
-            self._ahead[row] = bits = self.matcher.compute_bitmask()
+            bits = matcher.compute_bitmask()
+            if matcher.is_error():  # no mask kept: the walk's own `mask()` meets the error if it gets there
+                break
+            self._ahead[row] = bits
             child = first.get(row)
-            if child is None or consumed == LOOK_AHEAD_DEPTH or self.matcher.is_error():
+            if child is None or consumed == LOOK_AHEAD_DEPTH:
                 break
             token = tokens[child - 1]
-            if token in self._eos or not allows(bits, token) or not self.matcher.consume_token(token):
+            if token in self._eos or not allows(bits, token) or not matcher.consume_token(token):
                 break
             row, consumed = child, consumed + 1
-        self.matcher.rollback(consumed)
 
     def take_ahead(self) -> tuple[dict[int, bytes], dict[int, int]]:
         """The masks `look_ahead` left for this step's rows, and the tokens `stepping.draw_ahead` drew at some of
