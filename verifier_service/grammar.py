@@ -56,6 +56,15 @@ def single_token(bits: bytes) -> int | None:
     return n.bit_length() - 1 if n and n & (n - 1) == 0 else None
 
 
+def unpack(masks: list[bytes], v: int) -> np.ndarray:
+    """Grammar masks -> [len(masks), v] bool (ids past a mask's end: False)."""
+    flags = np.unpackbits(np.frombuffer(b"".join(masks), dtype=np.uint8), bitorder="little")
+    flags = flags.reshape(len(masks), -1)[:, :v]
+    if flags.shape[1] < v:
+        flags = np.pad(flags, ((0, 0), (0, v - flags.shape[1])))
+    return np.ascontiguousarray(flags).view(np.bool_)
+
+
 def greedy_choice(bits: bytes, ids: list[int], values: list[float]) -> int | None:
     """The masked argmax from a row's top-k (ids by descending value), exactly as torch's argmax of the masked row
     picks it (the smallest id among equal maxima); None when the top-k cannot tell (no allowed id in it, or the best
@@ -116,14 +125,6 @@ class Constraint:
     def ahead_masks(self) -> dict[int, bytes]:
         return self._ahead
 
-    def allowed_rows(self, masks: list[bytes], v: int, device: torch.device) -> torch.Tensor:
-        """Masks -> [len(masks), v] bool on `device` (ids past the vocabulary's end: False)."""
-        flags = np.unpackbits(np.frombuffer(b"".join(masks), dtype=np.uint8), bitorder="little")
-        flags = flags.reshape(len(masks), -1)[:, :v]
-        if flags.shape[1] < v:
-            flags = np.pad(flags, ((0, 0), (0, v - flags.shape[1])))
-        return torch.from_numpy(np.ascontiguousarray(flags).view(np.bool_)).to(device)
-
     def mask(self) -> bytes:
         """The allowed set after the output so far: ceil(n/32) little-endian int32 words, bit i of word w = id
         32 w + i."""
@@ -137,18 +138,15 @@ class Constraint:
         tensor); unchanged before the trigger. `bits`: the current state's mask, when already computed."""
         if not self.open:
             return logits
-        bits = self.mask() if bits is None else bits
         v = logits.shape[-1]
-        flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:v].view(np.bool_)
+        flags = unpack([self.mask() if bits is None else bits], v)[0]
         if logits.device.type == "cpu":
             allowed = torch.from_numpy(flags)
         else:  # one copy of a reused pinned buffer: the walk reads each row's choice (a sync) before the next mask
             if self._pinned is None or self._pinned.numel() != v:
-                self._pinned = torch.zeros(v, dtype=torch.bool).pin_memory()
-            self._pinned.numpy()[: flags.size] = flags
+                self._pinned = torch.empty(v, dtype=torch.bool).pin_memory()
+            self._pinned.numpy()[:] = flags
             allowed = self._pinned.to(logits.device, non_blocking=True)
-        if allowed.numel() < v:  # ids past the vocabulary's end (CPU only: the pinned buffer is v long, zeroed)
-            allowed = torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
         return torch.where(allowed, logits, float("-inf"))
 
     def advance(self, token: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from verifier_service.acceptance import (Walk, children_by_token, filter_probs, forced_walk, sample_with_uniforms,
                                          tree_depths, walk_tree)
-from verifier_service.grammar import greedy_choice, single_token
+from verifier_service.grammar import greedy_choice, single_token, unpack
 from verifier_service.session import Session
 
 
@@ -137,11 +137,14 @@ def draw_ahead(s: Session, logits: torch.Tensor, parents: list[int]) -> None:
     """A sampled structured-output session: its draws at the rows of the likeliest path whose masks the look-ahead
     computed (and that allow more than one token), in one batched op: each row restricted by its mask and drawn with
     its position's uniform, as `_constrained_choice` would one by one. Read by the walk (`take_ahead`)."""
-    c = s.constraint
-    rows = [r for r, bits in c.ahead_masks().items() if single_token(bits) is None]
-    if not rows or s.params.greedy:
+    if s.params.greedy:
         return
-    allowed = c.allowed_rows([c.ahead_masks()[r] for r in rows], logits.shape[-1], logits.device)
+    c = s.constraint
+    masks = {r: bits for r, bits in c.ahead_masks().items() if single_token(bits) is None}
+    if not masks:
+        return
+    rows = list(masks)
+    allowed = torch.from_numpy(unpack(list(masks.values()), logits.shape[-1])).to(logits.device)
     restricted = torch.where(allowed, logits[rows], float("-inf"))
     depths = tree_depths(parents)
     u = s.rng.peek(max(depths[r] for r in rows) + 1)[torch.tensor([depths[r] for r in rows])]
