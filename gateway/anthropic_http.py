@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway.anthropic_api import anthropic_param, messages_request
 from gateway.anthropic_response import AnthropicResponse
 from gateway.validation import prompt_ids, to_job
-from service_kit.errors import InvalidArgument, NotFound, ServiceError, Unavailable
+from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import get_logger
 
 log = get_logger("gateway.http")
@@ -36,9 +36,7 @@ def _anthropic_names():
 async def messages(h, request: web.Request) -> web.StreamResponse:
     """`h`: the HTTP surface's Handlers (gateway, lifecycle, model name)."""
     body = await h.json_body(request)
-    model = h._model_name()
-    if body.get("model") not in (None, model):
-        raise NotFound(f"model: {body['model']!r} is not served here (this gateway serves {model!r})", field="model")
+    model = h.served_model(body)
     with _anthropic_names():
         req = messages_request(body)
         req.request_id = request.headers.get("X-Request-Id", "")

@@ -134,6 +134,14 @@ class Handlers:
             raise InvalidArgument(f"tokens[{bad}]", f"{ids[bad]} is outside [0, {vocab})")
         return web.json_response({"prompt": self.gateway.tokenizer.decode(ids)})
 
+    def served_model(self, body: dict) -> str:
+        """The served model's name; NOT_FOUND when the body asks for another."""
+        model = self._model_name()
+        if body.get("model") not in (None, model):
+            raise NotFound(f"model: {body['model']!r} is not served here (this gateway serves {model!r})",
+                           field="model")
+        return model
+
     async def json_body(self, request: web.Request) -> dict:
         return await _json_object(request)
 
@@ -153,10 +161,7 @@ class Handlers:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await _json_object(request)
-        model = self._model_name()
-        if body.get("model") not in (None, model):
-            raise NotFound(f"model: {body['model']!r} is not served here (this gateway serves {model!r})",
-                           field="model")
+        model = self.served_model(body)
         req = chat_request(body) if chat else completion_request(body)
         stream, usage = stream_flags(body)
         n = choice_count(body)

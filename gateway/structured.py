@@ -54,10 +54,10 @@ def _schema(text: str, field: str) -> dict:
     return schema
 
 
-def check_combination(req: pb.GenerateRequest) -> None:
+def check_combination(req: pb.GenerateRequest, forced_call: bool) -> None:
     """Structured output with a forced tool call, a minimum length or ignore_eos is refused: the call is not the
     grammar's text, and a complete answer allows only EOS."""
-    if req.chat.tool_choice not in ("", "auto", "none"):
+    if forced_call:
         raise InvalidArgument("response_format", "cannot be combined with a forced tool call (chat.tool_choice)")
     if req.stopping.min_new_tokens:
         raise InvalidArgument("stopping.min_new_tokens", "cannot be combined with response_format")

@@ -159,7 +159,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     forced, after = forced_tool_call(req.chat, tok, ids) if chat else ([], None)
     grammar = structured.grammar(req.response_format)
     if grammar:
-        structured.check_combination(req)
+        structured.check_combination(req, bool(forced))
     return Job(
         request=vpb.VerifierGenerateRequest(forced_ids=forced, forced_after_id=after, grammar=grammar,
             grammar_after_id=answer_after(tok, ids) if grammar else None,
