@@ -14,7 +14,7 @@ def bearer_ok(authorization: str | None, api_key: str) -> bool:
     if not api_key:
         return True
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return scheme.lower() == "bearer" and key_ok(token, api_key)
 
 
 def key_ok(key: str | None, api_key: str) -> bool:

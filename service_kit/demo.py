@@ -52,16 +52,19 @@ def stream(stub, mode: int, budget: int | None = None, temperature: float | None
             print(f"\n{format_final(msg.final)} ({msg.final.usage.completion_tokens / dt:.1f} tok/s)")
 
 
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
 def http_completion(prompt: str) -> None:
     """The same stack through its OpenAI-compatible HTTP API, as any OpenAI client would call it."""
     base = f"http://127.0.0.1:{HTTP_PORT}/v1"
     with urllib.request.urlopen(f"{base}/models", timeout=10) as r:
         model = json.load(r)["data"][0]["id"]
     body = {"model": model, "prompt": prompt, "max_tokens": 64, "spec_mode": "ddtree", "tree_budget": 16}
-    req = urllib.request.Request(f"{base}/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        answer = json.load(r)
+    answer = _post(f"{base}/completions", body)
     choice, stats = answer["choices"][0], answer["spec_stats"]
     print(f"\n--- POST {base}/completions (greedy, as the DDTREE stream above) ---\n{prompt}{choice['text']}\n"
           f"[{choice['finish_reason']}] usage={answer['usage']} mode={stats['mode']} "
@@ -78,10 +81,7 @@ def http_structured() -> None:
     body = {"messages": [{"role": "user", "content": "Name a programming language and the year it appeared."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "language", "schema": schema}},
             "max_tokens": 64, "tree_budget": 16, "chat_template_kwargs": {"thinking": False}}
-    req = urllib.request.Request(f"{base}/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        answer = json.load(r)
+    answer = _post(f"{base}/chat/completions", body)
     choice = answer["choices"][0]
     content = choice["message"]["content"]
     parsed = json.loads(content) if choice["finish_reason"] == "stop" else "(cut at max_tokens)"
