@@ -243,6 +243,10 @@ def test_anthropic_errors_are_anthropics_shape(idle):
     err = e.value.response.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert err["error"]["message"].startswith("messages[0].role")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _claude(idle).messages.count_tokens(model=model, messages=[{"role": "user", "content": [{"type": "image",
+                                                                                                  "source": {}}]}])
+    assert e.value.response.json()["error"]["message"].startswith("messages[0].content[0]")
     with pytest.raises(anthropic.AuthenticationError) as e:
         _claude(idle, key="wrong").messages.create(model=model, messages=CHAT[1:], max_tokens=4)
     assert e.value.response.json()["error"]["type"] == "authentication_error"
@@ -461,8 +465,9 @@ def test_cli_generate_structured_output(idle, capsys, tmp_path):
     assert main([*base, "--regex", "[0-9]{1,4}( [0-9]{1,4}){0,3}"]) == 0
     assert re.fullmatch("[0-9]{1,4}( [0-9]{1,4}){0,3}\n", capsys.readouterr().out)
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-                                  "required": ["n"], "additionalProperties": False,
+    number = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": number}, "required": ["n"],
+                                  "additionalProperties": False,
                                   "x-guidance": {"whitespace_flexible": False}}))
     assert main([*base, "--json-schema", str(schema)]) == 0
     assert 0 <= json.loads(capsys.readouterr().out)["n"] <= 99
