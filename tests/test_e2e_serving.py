@@ -47,7 +47,8 @@ def test_greedy_equals_ar(idle, ar_refs, mode, budget):
         assert r.ids == ref.ids, f"prompt {i}: {first_difference(r.ids, ref.ids)}"
         s = r.final.spec_stats
         assert s.mode == mode and s.draft_tokens > 0 and s.draft_unavailable_steps == 0, s
-        assert s.tree_budget == (budget or 7) and s.draft_tokens == s.tree_budget * s.verify_steps, s
+        # the adaptive budget (on by default) verifies at most tree_budget nodes a step
+        assert s.tree_budget == (budget or 7) and s.draft_tokens <= s.tree_budget * s.verify_steps, s
         assert len(ref.ids) == N and ref.final.spec_stats.mode == pb.SPEC_MODE_AR
         assert ref.final.spec_stats.tree_budget == 0 and ref.final.spec_stats.draft_tokens == 0
 

@@ -38,7 +38,7 @@ def scripted_server(tiny_ckpt):  # noqa: F811
 
 def _engine(model, drafter_address):
     config = VerifierConfig(model=str(model), device="cpu", dtype="float32", kv_cache_mb=8, page_size=16,
-                            drafter=(drafter_address,), draft_deadline_ms=5000)
+                            drafter=(drafter_address,), draft_deadline_ms=5000, adaptive_tree_budget=False)
     return build_engine(config)
 
 
@@ -126,7 +126,8 @@ def test_prefill_rows_go_ahead_chunk_by_chunk(tiny_ckpt, scripted_server):  # no
     answer, and the first decode Propose carries only the last chunk's rows. The output still equals AR."""
     drafter, server = scripted_server
     config = VerifierConfig(model=str(tiny_ckpt), device="cpu", dtype="float32", kv_cache_mb=8, page_size=16,
-                            drafter=(server.address,), draft_deadline_ms=5000, prefill_chunk=3)
+                            drafter=(server.address,), draft_deadline_ms=5000, prefill_chunk=3,
+                            adaptive_tree_budget=False)
     engine = build_engine(config)
     engine.runner.target_layer_ids = tuple(drafter.layer_ids)
     try:

@@ -88,7 +88,7 @@ def run(args) -> int:
     report = {"model": str(model), "drafter": str(drafter), "device": args.device, "dtype": args.dtype,
               "drafter_device": drafter_device, "drafter_dtype": args.drafter_dtype,
               "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
-              "response_format": args.response_format,
+              "response_format": args.response_format, "adaptive_budget": args.adaptive_budget,
               "prompts": [{"key": p["key"], "tokens": len(p["ids"])} for p in prompts],
               "torch": torch.__version__, "rows": []}
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -104,7 +104,8 @@ def run(args) -> int:
         report["rows"] += run_e2e(model, drafter, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                   seed=args.seed, device=args.device, dtype=args.dtype,
                                   drafter_device=drafter_device, drafter_dtype=args.drafter_dtype,
-                                  log_dir=out / "logs", log=log, response_format=args.response_format)
+                                  log_dir=out / "logs", log=log, response_format=args.response_format,
+                                  adaptive_budget=args.adaptive_budget)
     estimate_rpc(report["rows"])
     report["summary"] = summary(report["rows"])
     (out / "bench_spec.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -133,6 +134,9 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--modes", default="ar,chain,ddtree")
     p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
+    p.add_argument("--adaptive-budget", action=argparse.BooleanOptionalAction, default=False,
+                   help="--e2e: the verifier trims each step's trees to what pays (--adaptive-tree-budget); a budget "
+                        "is then each step's most nodes. Off: every step verifies the whole budget")
     p.add_argument("--temperatures", default="0,1", help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")

@@ -88,6 +88,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-cache-mb", type=int, help="verifier latent KV per rank (default: 8192 on cuda, 64 on cpu)")
     p.add_argument("--split-replicated", default="true", choices=("true", "false"),
                    help="the verifier's --split-replicated (default true, as the verifier's default)")
+    p.add_argument("--adaptive-budget", default="false", choices=("true", "false"),
+                   help="the verifier's --adaptive-tree-budget (default false: each tree size N verifies N rows a "
+                        "step; true: N is each step's most)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".out/fullscale", help="directory for fullscale.json/.md and service logs")
     args = p.parse_args(argv)
@@ -127,6 +130,7 @@ def service_commands(args, ports: dict[str, int], tokenizer: Path) -> dict[str, 
                      "--max-tree-budget", str(max(*args.sizes, 16)), "--max-batch", str(max(args.concurrency, 8)),
                      "--max-context", str(max(8192, args.prompt_len + args.max_new + 256)),
                      "--prefix-cache", "false",  # each tree size's streams start cold, as the floors assume
+                     "--adaptive-tree-budget", args.adaptive_budget,  # false: every step verifies N rows
                      "--metrics-port", str(ports["metrics"]), *common],
         "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--http-port", "0", "--model", str(tokenizer),
                     "--verifier", f"127.0.0.1:{ports['verifier']}", *common],

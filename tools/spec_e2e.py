@@ -45,17 +45,18 @@ class Streamed(NamedTuple):
 def run_e2e(model_dir: str | Path, drafter_dir: str | Path, prompts: list[dict], *, modes: list[tuple[str, int]],
             temperatures: list[float], max_new: int, seed: int, device: str, dtype: str, log_dir: Path,
             drafter_device: str | None = None, drafter_dtype: str | None = None, log=print,
-            response_format: str = "") -> list[dict]:
+            response_format: str = "", adaptive_budget: bool = False) -> list[dict]:
     """Three service processes on loopback; one Generate stream per prompt and mode. The drafter runs on
     `drafter_device` (default `device`): its own GPU, as deployed, or the verifier's; in `drafter_dtype`
-    (default `dtype`). `response_format`: "json_object" or a JSON Schema's text, for every request."""
+    (default `dtype`). `response_format`: "json_object" or a JSON Schema's text, for every request. adaptive_budget:
+    the verifier's --adaptive-tree-budget (off: every mode verifies its whole budget, the sweep's fixed sizes)."""
     import grpc
 
     from ddtree.v1 import generation_pb2_grpc as pb_grpc
 
     ports = {k: _free_port() for k in ("drafter", "verifier", "gateway", "verifier_metrics", "drafter_metrics")}
     cmds = _service_commands(model_dir, drafter_dir, (drafter_device or device, device),
-                             (drafter_dtype or dtype, dtype), ports, max([b for _, b in modes] + [16]))
+                             (drafter_dtype or dtype, dtype), ports, max([b for _, b in modes] + [16]), adaptive_budget)
     env = _service_env(device)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {}
@@ -96,7 +97,8 @@ def _free_port() -> int:
 
 
 def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: tuple[str, str],
-                      dtypes: tuple[str, str], ports: dict[str, int], max_budget: int) -> dict[str, list[str]]:
+                      dtypes: tuple[str, str], ports: dict[str, int], max_budget: int,
+                      adaptive_budget: bool = False) -> dict[str, list[str]]:
     """devices, dtypes: (the drafter's, the verifier's)."""
     base = [sys.executable, "-m", "service_kit.cli"]
     common = ["--host", "127.0.0.1", "--log-format", "json", "--grace-s", "1"]
@@ -110,7 +112,7 @@ def _service_commands(model_dir: str | Path, drafter_dir: str | Path, devices: t
                      "--kv-cache-mb", "64", "--max-tree-budget", str(max(max_budget, 64)),
                      # every mode runs the same prompts: without this the later modes would find them cached, and
                      # their drafter would see only the rows after the cached pages (docs/BENCHMARKS.md, session 23)
-                     "--prefix-cache", "false",
+                     "--prefix-cache", "false", "--adaptive-tree-budget", str(adaptive_budget).lower(),
                      "--metrics-port", str(ports["verifier_metrics"]), *common],
         "gateway": [*base, "gateway", "--port", str(ports["gateway"]), "--http-port", "0", "--model", str(model_dir),
                     "--verifier", f"127.0.0.1:{ports['verifier']}", *common],

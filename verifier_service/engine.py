@@ -22,13 +22,14 @@ from ddtree.v1 import generation_pb2 as pb
 from service_kit import busy_poll
 from service_kit.logs import get_logger
 from verifier_service import metrics
+from verifier_service.budget import AdaptiveBudget
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.forcing import forced_logits
 from verifier_service.grammar import GrammarError, load_vocabulary
 from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
-from verifier_service.session import Emission, Session
+from verifier_service.session import AR, Emission, Session
 from verifier_service.stepping import (accept_session, draw_ahead, fetch_outputs, first_token, prompt_logprobs,
                                       top_logprobs)
 
@@ -47,6 +48,9 @@ class Engine:
         self.drafting = (DraftPlanner(drafters, config, runner.cfg.vocab_size)
                          if drafters is not None and drafters.enabled else None)
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
+        # how many drafted nodes each step verifies (None: all of them)
+        self.budget = (AdaptiveBudget(config.max_tree_budget)
+                       if self.drafting and config.adaptive_tree_budget else None)
         # token bytes for structured output's grammar masks (None: refused), from the checkpoint's tokenizer
         self.vocabulary = load_vocabulary(getattr(config, "model", ""), runner.cfg.vocab_size, self.eos_ids)
         self.feature_store = (FeatureStore(config.prefix_feature_mb << 20)
@@ -162,6 +166,8 @@ class Engine:
         t0 = time.perf_counter()
         decoding = [s for s in self.active.values() if s.decoding]
         drafts = self._drafts(decoding) if self.drafting else {}
+        if self.budget is not None and drafts:
+            drafts = self.budget.trim(drafts, len(decoding), len(decoding) + self._prefill_rows())
         t1 = time.perf_counter()
         seqs, jobs = self._rows(decoding, drafts)
         logit_rows = [r for job in jobs for r in job["logit_rows"]]
@@ -175,6 +181,17 @@ class Engine:
         t3 = time.perf_counter()
         metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, rows=plan.num_rows,
                              sessions=len(decoding), prefill=any(job["kind"] == "prefill" for job in jobs))
+        if self.budget is not None:
+            self.budget.observe_step(plan.num_rows, t2 - t1, (t1 - t0) + (t3 - t2))
+
+    def _prefill_rows(self) -> int:
+        """The prompt rows `_rows` will add this step (same rule: up to prefill_chunk in all, session order)."""
+        budget, rows = self.config.prefill_chunk, 0
+        for s in self.active.values():
+            if not s.decoding and budget > 0:
+                n = min(budget, len(s.prompt) - s.prefilled)
+                rows, budget = rows + n, budget - n
+        return rows
 
     def _drafts(self, decoding: list[Session]) -> dict:
         """The drafts sent for ahead (sessions finished since are dropped by `_rows`), and a Propose
@@ -204,7 +221,7 @@ class Engine:
             seqs.append(SeqRows([s.pending, *tokens], tree_parents(parents), self.table.length(s.id),
                                 self.table.pages(s.id), self.table.scratch(s.id, n)))
             jobs.append(dict(kind="verify", s=s, tokens=tokens, parents=parents, rows=range(row, row + n),
-                             logit_rows=range(row, row + n)))
+                             logit_rows=range(row, row + n), drafted=d is not None))
             row += n
         budget = self.config.prefill_chunk
         for s in self.active.values():
@@ -305,7 +322,9 @@ class Engine:
         if features and s.features_on:
             keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
         drafted = len(job["tokens"])
-        s.stats.record(len(walk.accepted_rows) - 1, drafted)
+        if self.budget is not None and s.params.mode != AR:
+            self.budget.record(s.id, drafted, walk.accepted_rows)
+        s.stats.record(len(walk.accepted_rows) - 1, drafted, unavailable=not job["drafted"])
         metrics.observe_acceptance(len(walk.accepted_rows), drafted)
         emits.append((s, walk.tokens, logprobs, top_logprobs(out.logits[lr], walk.accepted_rows,
                                                              s.params.top_logprobs), 1))
@@ -403,6 +422,8 @@ class Engine:
             self.table.close(s.id)
         if self.drafting:
             self.drafting.release(s, self.inflight)
+        if self.budget is not None:
+            self.budget.forget(s.id)
         s.emit(final)
 
 

@@ -131,11 +131,13 @@ class SpecCounters:
     no_draft_steps: int = 0
     histogram: list[int] = field(default_factory=list)
 
-    def record(self, accepted: int, drafted: int) -> None:
+    def record(self, accepted: int, drafted: int, unavailable: bool) -> None:
+        """One verify step: `accepted` of its `drafted` (verified) nodes; unavailable: no draft came (a tree the
+        adaptive budget cut to nothing did come)."""
         self.verify_steps += 1
         self.accepted += accepted
         self.drafted += drafted
-        self.no_draft_steps += drafted == 0
+        self.no_draft_steps += unavailable
         if len(self.histogram) <= accepted:
             self.histogram += [0] * (accepted + 1 - len(self.histogram))
         self.histogram[accepted] += 1
