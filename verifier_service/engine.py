@@ -182,7 +182,7 @@ class Engine:
         metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, rows=plan.num_rows,
                              sessions=len(decoding), prefill=any(job["kind"] == "prefill" for job in jobs))
         if self.budget is not None:
-            self.budget.observe_step(plan.num_rows, t2 - t1, (t1 - t0) + (t3 - t2))
+            self.budget.observe_step(plan.num_rows, t2 - t1, t0, t3)
 
     def _prefill_rows(self) -> int:
         """The prompt rows `_rows` will add this step (same rule: up to prefill_chunk in all, session order)."""
