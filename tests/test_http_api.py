@@ -165,6 +165,21 @@ def test_n_choices_share_the_prompt_prefill(idle, client):
     assert _verifier_metric(idle, "ddtree_prefix_cache_hits_total") - hits == 2 * 64
 
 
+def test_a_drafter_that_does_not_pay_is_not_waited_for(idle, client):
+    """The test checkpoint's drafter is random: its nodes are (almost) never accepted. The adaptive budget soon runs
+    root-only steps that send no Propose (counted in ddtree_draft_skipped_steps_total), and the answer is still
+    plain decoding's, token for token."""
+    prompt = [(i * 31 + 7) % 1500 for i in range(40)]
+    model = client.models.list().data[0].id
+    ar = client.completions.create(model=model, prompt=prompt, max_tokens=160, temperature=0,
+                                   extra_body={"spec_mode": "ar", "ignore_eos": True})
+    skipped = _verifier_metric(idle, "ddtree_draft_skipped_steps_total")
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=160, temperature=0, extra_body=DDTREE)
+    assert r.choices[0].text == ar.choices[0].text and r.usage.completion_tokens == 160
+    assert _verifier_metric(idle, "ddtree_draft_skipped_steps_total") - skipped > 0
+    assert r.model_extra["spec_stats"]["draft_unavailable_steps"] == 0  # a choice, not a failure
+
+
 def test_named_tool_choice_returns_that_call(idle, client):
     """tool_choice naming a function: the answer opens that call (forced), and a bias on <|tool_call_end|> closes it
     right after, so the response carries a get_weather call with empty arguments."""

@@ -9,17 +9,22 @@ one-row step. What a node is worth depends on the drafter and the text. This mod
   That does not depend on which other nodes the tree holds: greedy or sampled, the walk follows the target's token
   at each accepted node. So keeping a session's first n nodes yields 1 + Σ_{i<=n} a_i tokens in expectation.
   `NodeAcceptance` estimates a_i per session from how often its i-th node was accepted when verified, with the
-  engine-wide rates as a prior (worth PRIOR_STEPS observations), made non-increasing in i by pooling adjacent
-  violators (which keeps their sum: a deep node the drafter ranks late can be accepted more often than a sibling).
-- A step of R rows costs C + T(R): T, the verify time, measured per row bucket (the forward's CUDA graphs pad R to
-  a power of two, so T is a step function of R), C, the rest of the step's cycle (drafting wait, accept, the
-  loop), both as exponential moving averages of measured steps (`StepCosts`).
+  engine-wide rates as a prior (worth PRIOR_STEPS observations), made non-increasing in i by weighted isotonic
+  regression (a deep node the drafter ranks late can be accepted more often than a sibling: pooling keeps the
+  pair's weighted sum, where a running minimum would lose it).
+- A step of R rows costs C + W + T(R): T, the verify time, measured per row bucket (the forward's CUDA graphs pad R
+  to a power of two, so T is a step function of R), W, the wait for the drafter's trees (none in a step that
+  drafts nothing), C, the rest of the step's cycle (accept, commit, the loop), all three as exponential moving
+  averages of measured steps (`StepCosts`).
 - Each step keeps the nodes that maximize Σ_s E_s / (C + T(R)), the sessions' expected tokens per second: for any
   node total m the best choice is the m largest a's (a prefix of each session's tree, since a_i does not increase
   with i), so `choose` scans m. One session: its own tokens per second, the per-stream latency users see.
+- Before sending the next step's Proposes, `draft_pays` weighs the same expected tokens per second against
+  root-only steps, which skip W: a drafter that is of no use on the current text (on K2.6 its Propose takes ~3 ms,
+  a one-row verify ~5) is not waited for, and the step is plain decoding.
 
-Exploration: every EXPLORE_EVERY-th step of a session verifies its whole tree, so ranks that the choice has dropped
-keep being measured (a drafter that improves as the context grows gets its nodes back). Until a row bucket's verify
+Exploration: every EXPLORE_EVERY-th step of a session drafts and verifies its whole tree, so ranks that the choice
+has dropped keep being measured (a drafter that improves as the context grows gets its nodes back). Until a row bucket's verify
 time has been seen, costs above the largest measured one are extrapolated linearly (pessimistic: T grows slower).
 """
 
@@ -34,7 +39,8 @@ from verifier_service.graphs import BUCKETS
 
 PRIOR_STEPS = 2.0  # observations the engine-wide rate counts for in a session's estimate
 SESSION_DECAY = 0.98  # per verified step: a session's old observations fade (its text changes)
-GLOBAL_RATE = 0.02  # EMA step of the engine-wide rates
+GLOBAL_DECAY = 0.998  # per verified session step: the engine-wide counts fade slowly (the traffic changes)
+START_RATE, START_FALL, START_STEPS = 0.9, 0.85, 4.0  # the engine-wide rates before any observation (GlobalAcceptance)
 COST_RATE = 0.2  # EMA step of the measured step costs
 BACK_TO_BACK_S = 0.05  # a step that starts within this of the previous one's end continues its cycle
 EXPLORE_EVERY = 16  # a session's steps 0, 16, 32, ... verify every drafted node
@@ -52,26 +58,36 @@ class StepCosts:
 
     def __init__(self):
         self.verify: dict[int, float] = {}  # row bucket -> seconds
-        self.fixed: float | None = None
+        self.fixed: float | None = None  # the rest of the cycle, without the draft wait
+        self.wait: float | None = None  # the draft wait of a step that drafts
 
-    def observe(self, rows: int, verify_s: float, fixed_s: float) -> None:
+    def observe(self, rows: int, verify_s: float, fixed_s: float, wait_s: float | None = None) -> None:
+        """One step cycle: its rows, verify seconds, the rest without the draft wait, and the wait (None: it drafted
+        nothing)."""
         b = row_bucket(rows)
-        old = self.verify.get(b)
-        self.verify[b] = verify_s if old is None else old + COST_RATE * (verify_s - old)
-        self.fixed = fixed_s if self.fixed is None else self.fixed + COST_RATE * (fixed_s - self.fixed)
+        self.verify[b] = _ema(self.verify.get(b), verify_s)
+        self.fixed = _ema(self.fixed, fixed_s)
+        if wait_s is not None:
+            self.wait = _ema(self.wait, wait_s)
 
-    def step(self, rows: int) -> float | None:
-        """Expected seconds of a step of `rows` rows, or None before any step was measured."""
-        if self.fixed is None or not self.verify:
+    def step(self, rows: int, drafting: bool = True) -> float | None:
+        """Expected seconds of a step of `rows` rows (with or without waiting for drafts), or None before any step
+        was measured."""
+        if self.fixed is None or not self.verify or (drafting and self.wait is None):
             return None
+        base = self.fixed + (self.wait if drafting else 0.0)
         b = row_bucket(rows)
         if b in self.verify:
-            return self.fixed + self.verify[b]
+            return base + self.verify[b]
         above = [k for k in self.verify if k > b]
         if above:  # a larger bucket's time bounds this one's
-            return self.fixed + self.verify[min(above)]
+            return base + self.verify[min(above)]
         top = max(self.verify)
-        return self.fixed + self.verify[top] * b / top
+        return base + self.verify[top] * b / top
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_RATE * (new - old)
 
 
 class NodeAcceptance:
@@ -92,35 +108,42 @@ class NodeAcceptance:
 
     def rates(self, n: int, prior: np.ndarray) -> np.ndarray:
         """Estimated acceptance of nodes 1..n, non-increasing."""
-        return non_increasing((self.hits[:n] + PRIOR_STEPS * prior[:n]) / (self.shown[:n] + PRIOR_STEPS))
+        weight = self.shown[:n] + PRIOR_STEPS
+        return non_increasing((self.hits[:n] + PRIOR_STEPS * prior[:n]) / weight, weight)
 
 
 class GlobalAcceptance:
-    """The engine-wide rates every session starts from: an EMA over every verified node of every session.
-    Starts optimistic (so new engines verify whole trees and measure them) at `start` for every rank."""
+    """The engine-wide rates every session starts from: decayed counts over every verified node of every session,
+    on top of a start that is worth START_STEPS observations: START_RATE for node 1, falling by START_FALL per rank
+    (Σ over 16 ranks ≈ 5.5 tokens, a good drafter's; a useless one is found out within a few steps)."""
 
-    def __init__(self, size: int, start: float = 0.9):
-        self.rate = np.full(size, start)
+    def __init__(self, size: int):
+        self.counts = NodeAcceptance(size)
+        self.start = START_RATE * START_FALL ** np.arange(size)
+
+    @property
+    def rate(self) -> np.ndarray:
+        c = self.counts
+        return (c.hits + START_STEPS * self.start) / (c.shown + START_STEPS)
 
     def record(self, verified: int, accepted_nodes: list[int]) -> None:
-        hit = np.zeros(verified)
-        for i in accepted_nodes:
-            if i <= verified:
-                hit[i - 1] = 1.0
-        self.rate[:verified] += GLOBAL_RATE * (hit - self.rate[:verified])
+        self.counts.record(verified, accepted_nodes, GLOBAL_DECAY)
 
 
-def non_increasing(x: np.ndarray) -> np.ndarray:
-    """The closest non-increasing sequence in squared error (isotonic regression; the same as pooling adjacent
-    violators, which replaces each run that rises by its mean, so every prefix ending at a pool boundary keeps its
-    sum): y_i = min over j <= i of max over k >= i of mean(x[j..k]). Vectorized over the n x n (j, k) means: n is at
-    most the tree budget, and a Python pool loop cost ~100 us a step."""
+def non_increasing(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """The closest non-increasing sequence in w-weighted squared error (isotonic regression; the same as pooling
+    adjacent violators, which replaces each run that rises by its weighted mean): y_i = min over j <= i of max over
+    k >= i of the weighted mean of x[j..k]. The weights are the estimates' observation counts, so a rarely verified
+    rank, still near its prior, barely moves the ranks before it. Vectorized over the n x n (j, k) means: n is at most
+    the tree budget, and a Python pool loop cost ~100 us a step."""
     n = len(x)
     if n < 2 or (np.diff(x) <= 0).all():
         return np.asarray(x, dtype=float)
-    c = np.concatenate([[0.0], np.cumsum(x)])
+    w = np.ones(n) if w is None else np.asarray(w, dtype=float)
+    cx, cw = np.concatenate([[0.0], np.cumsum(w * x)]), np.concatenate([[0.0], np.cumsum(w)])
     j, k = np.arange(n)[:, None], np.arange(n)[None, :]
-    mean = np.where(k >= j, (c[1:][None, :] - c[:-1][:, None]) / np.maximum(k - j + 1, 1), -np.inf)  # [j, k]
+    span = np.where(k >= j, cw[1:][None, :] - cw[:-1][:, None], 1.0)
+    mean = np.where(k >= j, (cx[1:][None, :] - cx[:-1][:, None]) / span, -np.inf)  # [j, k]
     most = np.maximum.accumulate(mean[:, ::-1], axis=1)[:, ::-1]  # [j, i]: max over k >= i
     return np.where(j <= k, most, np.inf).min(axis=0)
 
@@ -161,7 +184,8 @@ class AdaptiveBudget:
         self.costs = StepCosts()
         self.prior = GlobalAcceptance(max_nodes)
         self.sessions: dict[str, list] = {}  # session id -> [NodeAcceptance, steps verified]
-        self._last: tuple[float, float, int, float] | None = None  # the last step: start, end, rows, verify_s
+        # the last step: start, end, rows, verify seconds, draft wait (None: nothing drafted)
+        self._last: tuple[float, float, int, float, float | None] | None = None
 
     def trim(self, drafts: dict, sessions: int, fixed_rows: int) -> dict:
         """drafts: session id -> Draft (tokens, parents; best-first) -> the same with each tree cut to the chosen
@@ -196,15 +220,35 @@ class AdaptiveBudget:
         entry[1] += 1
         self.prior.record(verified, accepted_rows[1:])
 
-    def observe_step(self, rows: int, verify_s: float, start: float, end: float) -> None:
-        """A step's rows and verify seconds, its start and end (time.perf_counter). The rest of a step's cycle
-        (waiting for drafts, accept, the loop in between) is the time from one step's start to the next one's, less
-        its verify, when the two ran back to back; the step is counted once the next one starts."""
+    def observe_step(self, rows: int, verify_s: float, wait_s: float | None, start: float, end: float) -> None:
+        """A step's rows, verify seconds and draft wait (None: it drafted nothing), its start and end
+        (time.perf_counter). The rest of a step's cycle (accept, commit, the loop in between) is the time from one
+        step's start to the next one's, less its verify and wait, when the two ran back to back; the step is
+        counted once the next one starts."""
         if self._last is not None:
-            last_start, last_end, last_rows, last_verify = self._last
+            last_start, last_end, last_rows, last_verify, last_wait = self._last
             if start - last_end < BACK_TO_BACK_S:
-                self.costs.observe(last_rows, last_verify, start - last_start - last_verify)
-        self._last = (start, end, rows, verify_s)
+                rest = start - last_start - last_verify - (last_wait or 0.0)
+                self.costs.observe(last_rows, last_verify, rest, last_wait)
+        self._last = (start, end, rows, verify_s, wait_s)
+
+    def draft_pays(self, sessions: list[tuple[str, int]]) -> bool:
+        """Whether the next step should wait for trees for these decoding sessions ((id, most nodes its tree may
+        have)): expected tokens per second with their trees, cut as `trim` would, against a root-only step, which
+        does not wait for the drafter. True while a cost is unknown and when a session is due to explore."""
+        rates = []
+        for sid, limit in sessions:
+            acc, steps = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0])
+            if steps % EXPLORE_EVERY == 0:
+                return True
+            rates.append(acc.rates(min(limit, self.max_nodes), self.prior.rate))
+        n = len(sessions)
+        keep = choose(rates, n, n, self.costs.step) if n else None
+        root_only = self.costs.step(n, drafting=False) if n else None
+        if keep is None or root_only is None:
+            return True
+        tokens = n + sum(float(r[:k].sum()) for r, k in zip(rates, keep))
+        return tokens / self.costs.step(n + sum(keep)) * (1 + MARGIN) >= n / root_only
 
     def forget(self, sid: str) -> None:
         self.sessions.pop(sid, None)

@@ -181,8 +181,8 @@ class Engine:
         t3 = time.perf_counter()
         metrics.observe_step(draft_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2, rows=plan.num_rows,
                              sessions=len(decoding), prefill=any(job["kind"] == "prefill" for job in jobs))
-        if self.budget is not None:
-            self.budget.observe_step(plan.num_rows, t2 - t1, t0, t3)
+        if self.budget is not None:  # the step waited for drafts if it verified any
+            self.budget.observe_step(plan.num_rows, t2 - t1, t1 - t0 if drafts else None, t0, t3)
 
     def _prefill_rows(self) -> int:
         """The prompt rows `_rows` will add this step (same rule: up to prefill_chunk in all, session order)."""
@@ -209,7 +209,17 @@ class Engine:
                 kept.append(f)
         self.inflight = kept
         rest = [s for s in decoding if s.id not in sent]
+        if rest and not self._draft_pays(rest):  # a root-only step: no wait for the drafter
+            for s in rest:
+                s.skipped_draft = True
+            metrics.DRAFT_SKIPPED.inc(len(rest))
+            return drafts
         return drafts | self.drafting.draft(rest) if rest else drafts
+
+    def _draft_pays(self, sessions: list[Session]) -> bool:
+        if self.budget is None:
+            return True
+        return self.budget.draft_pays([(s.id, self.drafting.node_limit(s)) for s in sessions])
 
     def _rows(self, decoding: list[Session], drafts: dict):
         """Per-session SeqRows (verify trees first, then prefill chunks) and what to do with the output."""
@@ -221,7 +231,8 @@ class Engine:
             seqs.append(SeqRows([s.pending, *tokens], tree_parents(parents), self.table.length(s.id),
                                 self.table.pages(s.id), self.table.scratch(s.id, n)))
             jobs.append(dict(kind="verify", s=s, tokens=tokens, parents=parents, rows=range(row, row + n),
-                             logit_rows=range(row, row + n), drafted=d is not None))
+                             logit_rows=range(row, row + n), drafted=d is not None or s.skipped_draft))
+            s.skipped_draft = False
             row += n
         budget = self.config.prefill_chunk
         for s in self.active.values():
@@ -267,7 +278,9 @@ class Engine:
         kept = self._kept_features(keep, out.hidden, host.hidden) if keep else []
         ends = [(s, *self._settle(s, tokens), logprobs, tops, steps) for s, tokens, logprobs, tops, steps in emits]
         if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
-            ready = [s for s, _, reason, *_ in ends if reason is None]
+            ready = [s for s, _, reason, *_ in ends if reason is None and s.params.mode != AR]
+            if ready and not self._draft_pays(ready):  # the next step is root-only (`_drafts` decides the same)
+                ready = []
             chunked = [s for s in (job["s"] for job in live if job["kind"] == "prefill")  # mid-prompt: rows go ahead
                        if s.prefilled < len(s.prompt) and features and s.features_on and not s.finished]
             sent = self.drafting.send(ready + chunked, {s.id: (position, rows) for s, position, rows in kept},

@@ -20,6 +20,8 @@ NUM_DRAFT_TOKENS = Counter("ddtree_spec_decode_num_draft_tokens_total", "Draft t
 NUM_ACCEPTED = Counter("ddtree_spec_decode_num_accepted_tokens_total", "Draft tokens accepted")
 DRAFT_UNAVAILABLE = Counter("ddtree_draft_unavailable_steps_total", "Session steps verified without a draft "
                             "because the drafter was late or failed")
+DRAFT_SKIPPED = Counter("ddtree_draft_skipped_steps_total", "Session steps verified root-only by choice: the adaptive "
+                        "tree budget expected more tokens per second without waiting for a draft")
 RUNNING = Gauge("ddtree_num_sessions_running", "Sessions admitted to the decode loop")
 WAITING = Gauge("ddtree_num_sessions_waiting", "Sessions waiting for KV pages or a batch slot")
 KV_USAGE = Gauge("ddtree_kv_cache_usage_perc", "Fraction of KV pages in use (0-1)")

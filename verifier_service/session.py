@@ -162,6 +162,7 @@ class Session:
     drafter_len: int = 0  # feature rows the drafter is believed to hold
     drafter_replica: str | None = None
     needs_reset: bool = False
+    skipped_draft: bool = False  # this step verifies root-only by choice (verifier_service/budget.py: draft_pays)
     features_on: bool = False  # the drafter's feature layers were known when the session started
     cancelled: bool = False
     finished: bool = False
