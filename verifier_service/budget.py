@@ -16,7 +16,7 @@ one-row step. What a node is worth depends on the drafter and the text. This mod
   to a power of two, so T is a step function of R), W, the wait for the drafter's trees (none in a step that
   drafts nothing), C, the rest of the step's cycle (accept, commit, the loop), all three as exponential moving
   averages of measured steps (`StepCosts`).
-- Each step keeps the nodes that maximize Σ_s E_s / (C + T(R)), the sessions' expected tokens per second: for any
+- Each step keeps the nodes that maximize Σ_s E_s / (C + W + T(R)), the sessions' expected tokens per second: for any
   node total m the best choice is the m largest a's (a prefix of each session's tree, since a_i does not increase
   with i), so `choose` scans m. One session: its own tokens per second, the per-stream latency users see.
 - Before sending the next step's Proposes, `draft_pays` weighs the same expected tokens per second against
@@ -24,8 +24,9 @@ one-row step. What a node is worth depends on the drafter and the text. This mod
   a one-row verify ~5) is not waited for, and the step is plain decoding.
 
 Exploration: every EXPLORE_EVERY-th step of a session drafts and verifies its whole tree, so ranks that the choice
-has dropped keep being measured (a drafter that improves as the context grows gets its nodes back). Until a row bucket's verify
-time has been seen, costs above the largest measured one are extrapolated linearly (pessimistic: T grows slower).
+has dropped keep being measured (a drafter that improves as the context grows gets its nodes back). Until a row
+bucket's verify time has been seen, costs above the largest measured one are extrapolated linearly (pessimistic: T
+grows slower than that). Host cost: ~70-130 us a session step (2-core CPU, 16-64 nodes).
 """
 
 from __future__ import annotations
