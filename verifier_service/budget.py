@@ -184,7 +184,8 @@ class AdaptiveBudget:
         self.max_nodes = max_nodes
         self.costs = StepCosts()
         self.prior = GlobalAcceptance(max_nodes)
-        self.sessions: dict[str, list] = {}  # session id -> [NodeAcceptance, steps verified]
+        self.sessions: dict[str, list] = {}  # session id -> [NodeAcceptance, steps verified, cached rates]
+        self._version = 0  # bumped by every record: the estimates it changed
         # the last step: start, end, rows, verify seconds, draft wait (None: nothing drafted)
         self._last: tuple[float, float, int, float, float | None] | None = None
 
@@ -197,8 +198,7 @@ class AdaptiveBudget:
         chosen, rates = [], []
         base = float(sessions)
         for sid, d in drafts.items():
-            acc, steps = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0])
-            r = acc.rates(len(d.tokens), self.prior.rate)
+            r, steps = self._rates(sid, len(d.tokens))
             if steps % EXPLORE_EVERY == 0:  # verify the whole tree: its ranks stay measured
                 fixed_rows += len(d.tokens)
                 base += float(r.sum())
@@ -216,10 +216,19 @@ class AdaptiveBudget:
 
     def record(self, sid: str, verified: int, accepted_rows: list[int]) -> None:
         """After a session's walk: it verified nodes 1..verified, accepted_rows = [0 (root), its accepted nodes]."""
-        entry = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0])
+        entry = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0, None])
         entry[0].record(verified, accepted_rows[1:], SESSION_DECAY)
         entry[1] += 1
         self.prior.record(verified, accepted_rows[1:])
+        self._version += 1
+
+    def _rates(self, sid: str, n: int) -> tuple[np.ndarray, int]:
+        """(The session's estimates for nodes 1..n, its verified steps). Estimates change only when a session
+        records, so `draft_pays` at a step's end and `trim` at the next one's start compute them once."""
+        entry = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0, None])
+        if entry[2] is None or entry[2][0] != (self._version, n):
+            entry[2] = ((self._version, n), entry[0].rates(n, self.prior.rate))
+        return entry[2][1], entry[1]
 
     def observe_step(self, rows: int, verify_s: float, wait_s: float | None, start: float, end: float) -> None:
         """A step's rows, verify seconds and draft wait (None: it drafted nothing), its start and end
@@ -239,10 +248,10 @@ class AdaptiveBudget:
         does not wait for the drafter. True while a cost is unknown and when a session is due to explore."""
         rates = []
         for sid, limit in sessions:
-            acc, steps = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0])
+            r, steps = self._rates(sid, min(limit, self.max_nodes))
             if steps % EXPLORE_EVERY == 0:
                 return True
-            rates.append(acc.rates(min(limit, self.max_nodes), self.prior.rate))
+            rates.append(r)
         n = len(sessions)
         keep = choose(rates, n, n, self.costs.step) if n else None
         root_only = self.costs.step(n, drafting=False) if n else None
