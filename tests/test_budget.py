@@ -206,3 +206,24 @@ def test_draft_pays_only_when_the_trees_return_their_wait():
     b.sessions["t"][1] = 1
     assert b.draft_pays([("t", 8)])
     assert AdaptiveBudget(max_nodes=8).draft_pays([("u", 8)])  # no cost measured yet
+
+
+def test_plan_made_during_the_forward_is_what_the_next_step_uses():
+    """plan_next runs before the step's records (one step stale) and counts the step being recorded: an
+    exploration step planned this way is the one the direct decision would explore."""
+    b = AdaptiveBudget(max_nodes=8)
+    for rows in (1, 2, 4, 8, 16):  # a second row costs a quarter of a one-row step
+        b.costs.observe(rows=rows, verify_s=1.0 + rows * 0.5, fixed_s=0.4, wait_s=1.0)
+    for _ in range(EXPLORE_EVERY - 1):
+        b.record("s", 8, [0])  # nothing ever accepted
+    b.plan_next([("s", 8)])  # during the forward of the session's 16th verify step
+    b.record("s", 8, [0])
+    assert b.draft_pays([("s", 8)])  # the 17th step (verified steps 16) explores...
+    assert len(b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens) == 8  # ...with its whole tree
+    b.plan_next([("s", 8)])
+    b.record("s", 8, [0])
+    assert not b.draft_pays([("s", 8)])  # the next one skips the drafter
+    assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []
+    assert b._plan is None  # a plan serves one step
+    b.sessions["s"][1] = 3
+    assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []  # decided now, the same way

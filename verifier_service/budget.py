@@ -186,33 +186,60 @@ class AdaptiveBudget:
         self.prior = GlobalAcceptance(max_nodes)
         self.sessions: dict[str, list] = {}  # session id -> [NodeAcceptance, steps verified, cached rates]
         self._version = 0  # bumped by every record: the estimates it changed
+        self._plan: tuple[int, bool, dict] | None = None  # plan_next's (fixed rows, draft?, nodes to keep)
         # the last step: start, end, rows, verify seconds, draft wait (None: nothing drafted)
         self._last: tuple[float, float, int, float, float | None] | None = None
 
     def trim(self, drafts: dict, sessions: int, fixed_rows: int) -> dict:
         """drafts: session id -> Draft (tokens, parents; best-first) -> the same with each tree cut to the chosen
         first n nodes. sessions: decoding sessions in the step (one token each at least); fixed_rows: their roots
-        plus the step's prefill rows."""
+        plus the step's prefill rows. Takes the choice `plan_next` made during the last forward when it covers
+        these sessions and rows, else makes it now."""
         from verifier_service.drafter_client import Draft
 
-        chosen, rates = [], []
-        base = float(sessions)
-        for sid, d in drafts.items():
-            r, steps = self._rates(sid, len(d.tokens))
-            if steps % EXPLORE_EVERY == 0:  # verify the whole tree: its ranks stay measured
-                fixed_rows += len(d.tokens)
-                base += float(r.sum())
-            else:
-                chosen.append(sid)
-                rates.append(r)
-        keep = choose(rates, fixed_rows, base, self.costs.step) if chosen else []
-        if keep is None:
-            return drafts
+        plan, self._plan = self._plan, None
+        if plan is not None and plan[0] == fixed_rows and drafts.keys() <= plan[2].keys():
+            keep = plan[2]
+        else:
+            keep = self._decide([(sid, len(d.tokens)) for sid, d in drafts.items()], fixed_rows, 0, sessions)[1]
         out = dict(drafts)
-        for sid, n in zip(chosen, keep):
-            d = drafts[sid]
-            out[sid] = Draft(d.tokens[:n], d.parents[:n])
+        for sid, d in drafts.items():
+            n = keep.get(sid)
+            if n is not None and n < len(d.tokens):
+                out[sid] = Draft(d.tokens[:n], d.parents[:n])
         return out
+
+    def plan_next(self, sessions: list[tuple[str, int]]) -> None:
+        """During a step's forward (the host is idle): the next step's choices for these decoding sessions ((id,
+        most nodes its tree may have)), from the estimates before this step's records (one step stale), so that
+        sending the next Proposes and cutting the next trees cost the critical path nothing."""
+        limits = [(sid, min(limit, self.max_nodes)) for sid, limit in sessions]
+        draft, keep = self._decide(limits, len(limits), 1, len(limits))
+        self._plan = (len(limits), draft, keep)
+
+    def _decide(self, sessions: list[tuple[str, int]], fixed_rows: int, ahead: int,
+                decoding: int) -> tuple[bool, dict]:
+        """(Wait for trees?, session id -> nodes to keep, None = the whole tree) for a step whose drafted sessions
+        have these many nodes; decoding: its decoding sessions (a token each); ahead: 1 when deciding before this
+        step's records (a session's verified steps then count one more)."""
+        keep, ids, rates, base, rows = {}, [], [], float(decoding), fixed_rows
+        exploring = False
+        for sid, n in sessions:
+            r, steps = self._rates(sid, n)
+            if (steps + ahead) % EXPLORE_EVERY == 0:  # the whole tree: its ranks stay measured
+                keep[sid], exploring, rows, base = None, True, rows + n, base + float(r.sum())
+            else:
+                ids.append(sid)
+                rates.append(r)
+        chosen = choose(rates, rows, base, self.costs.step) if ids else []
+        if chosen is None:  # a cost not measured yet
+            return True, {sid: None for sid, _ in sessions}
+        keep.update(zip(ids, chosen))
+        root_only = self.costs.step(fixed_rows, drafting=False)
+        if exploring or root_only is None or not sessions:
+            return True, keep
+        tokens = base + sum(float(r[:k].sum()) for r, k in zip(rates, chosen))
+        return tokens / self.costs.step(rows + sum(chosen)) * (1 + MARGIN) >= decoding / root_only, keep
 
     def record(self, sid: str, verified: int, accepted_rows: list[int]) -> None:
         """After a session's walk: it verified nodes 1..verified, accepted_rows = [0 (root), its accepted nodes]."""
@@ -245,20 +272,12 @@ class AdaptiveBudget:
     def draft_pays(self, sessions: list[tuple[str, int]]) -> bool:
         """Whether the next step should wait for trees for these decoding sessions ((id, most nodes its tree may
         have)): expected tokens per second with their trees, cut as `trim` would, against a root-only step, which
-        does not wait for the drafter. True while a cost is unknown and when a session is due to explore."""
-        rates = []
-        for sid, limit in sessions:
-            r, steps = self._rates(sid, min(limit, self.max_nodes))
-            if steps % EXPLORE_EVERY == 0:
-                return True
-            rates.append(r)
-        n = len(sessions)
-        keep = choose(rates, n, n, self.costs.step) if n else None
-        root_only = self.costs.step(n, drafting=False) if n else None
-        if keep is None or root_only is None:
-            return True
-        tokens = n + sum(float(r[:k].sum()) for r, k in zip(rates, keep))
-        return tokens / self.costs.step(n + sum(keep)) * (1 + MARGIN) >= n / root_only
+        does not wait for the drafter. True while a cost is unknown and when a session is due to explore. The
+        decision `plan_next` made during the last forward, when it covers these sessions."""
+        if self._plan is not None and all(sid in self._plan[2] for sid, _ in sessions):
+            return self._plan[1]
+        limits = [(sid, min(limit, self.max_nodes)) for sid, limit in sessions]
+        return self._decide(limits, len(limits), 0, len(limits))[0]
 
     def forget(self, sid: str) -> None:
         self.sessions.pop(sid, None)

@@ -175,6 +175,8 @@ class Engine:
         plan = build_plan(seqs, logit_rows=logit_rows, pin=self.runner.device.type == "cuda")
         out = self.runner.forward(plan)
         top_rows = self._look_ahead(jobs)  # host work while the GPU runs the forward
+        if self.budget is not None:  # so is the next step's budget (from this one's estimates)
+            self.budget.plan_next([(s.id, self.drafting.node_limit(s)) for s in decoding if s.params.mode != AR])
         self.runner.sync()  # the GPU forward runs asynchronously: time it here, not in the accept phase
         t2 = time.perf_counter()
         self._finish_step(jobs, out, top_rows)
