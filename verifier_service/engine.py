@@ -29,7 +29,7 @@ from verifier_service.grammar import GrammarError, load_vocabulary
 from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
-from verifier_service.session import AR, Emission, Session
+from verifier_service.session import AR, CHAIN, Emission, Session
 from verifier_service.stepping import (accept_session, draw_ahead, fetch_outputs, first_token, prompt_logprobs,
                                       top_logprobs)
 
@@ -176,7 +176,7 @@ class Engine:
         out = self.runner.forward(plan)
         top_rows = self._look_ahead(jobs)  # host work while the GPU runs the forward
         if self.budget is not None:  # so is the next step's budget (from this one's estimates)
-            self.budget.plan_next([(s.id, self.drafting.node_limit(s)) for s in decoding if s.params.mode != AR])
+            self.budget.plan_next([(s.id, self._tree_nodes(s)) for s in decoding if s.params.mode != AR])
         self.runner.sync()  # the GPU forward runs asynchronously: time it here, not in the accept phase
         t2 = time.perf_counter()
         self._finish_step(jobs, out, top_rows)
@@ -221,7 +221,14 @@ class Engine:
     def _draft_pays(self, sessions: list[Session]) -> bool:
         if self.budget is None:
             return True
-        return self.budget.draft_pays([(s.id, self.drafting.node_limit(s)) for s in sessions])
+        return self.budget.draft_pays([(s.id, self._tree_nodes(s)) for s in sessions])
+
+    def _tree_nodes(self, s: Session) -> int:
+        """Nodes the drafter will return for the session: its tree budget; a chain, block_size - 1 (the limit a
+        chain is checked against until the drafter's block size is known)."""
+        if s.params.mode == CHAIN and self.block_size > 1:
+            return self.block_size - 1
+        return self.drafting.node_limit(s)
 
     def _rows(self, decoding: list[Session], drafts: dict):
         """Per-session SeqRows (verify trees first, then prefill chunks) and what to do with the output."""
