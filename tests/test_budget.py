@@ -137,10 +137,13 @@ def test_step_costs():
     c.observe(rows=3, verify_s=2.0, fixed_s=1.0)  # bucket 4, nothing drafted
     assert c.step(4) is None and c.step(4, drafting=False) == 3.0  # no draft wait seen yet
     c.observe(rows=3, verify_s=2.0, fixed_s=1.0, wait_s=0.5)
-    assert c.step(4) == 3.5 and c.step(2) == 3.5  # a larger bucket bounds a smaller one
-    assert c.step(16) == 1.5 + 2.0 * 16 / 4  # above every measured bucket: linear in rows
+    assert c.step(4) == 3.5 and c.step(2) == 1.5 + 2.0 * 2 / 4  # below every measured bucket: in proportion to rows
+    assert c.step(16) == 1.5 + 2.0 * 16 / 4  # above them: the same
+    c.observe(rows=20, verify_s=8.0, fixed_s=1.0, wait_s=0.5)  # bucket 32
+    assert c.step(16) == pytest.approx(1.5 + 2.0 + (8.0 - 2.0) * (16 - 4) / (32 - 4))  # between two: interpolated
     c.observe(rows=4, verify_s=4.0, fixed_s=1.0)
     assert c.verify[4] == pytest.approx(2.0 + 0.2 * 2.0) and c.wait == 0.5
+    assert c.fixed == pytest.approx(1.0)
 
 
 def _draft(n: int) -> Draft:
@@ -227,3 +230,16 @@ def test_plan_made_during_the_forward_is_what_the_next_step_uses():
     assert b._plan is None  # a plan serves one step
     b.sessions["s"][1] = 3
     assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []  # decided now, the same way
+
+
+def test_with_only_the_whole_tree_measured_root_only_steps_get_tried():
+    """Pure DDTree traffic measures the whole tree's bucket first (the exploration step): smaller buckets are then
+    taken as cheap as their rows make them, so that a root-only step is tried (and measured) when nodes do not land."""
+    b = AdaptiveBudget(max_nodes=16)
+    b.costs.observe(rows=17, verify_s=4.0, fixed_s=0.5, wait_s=1.0)  # bucket 32 only
+    for _ in range(10):
+        b.record("s", 16, [0])  # nothing accepted
+    b.sessions["s"][1] = 3
+    assert not b.draft_pays([("s", 16)])
+    b.costs.observe(rows=1, verify_s=3.0, fixed_s=0.5)  # measured: a root-only step costs most of the whole tree
+    assert b.costs.step(1, drafting=False) == pytest.approx(0.5 + 3.0)
