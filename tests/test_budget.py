@@ -200,13 +200,13 @@ def test_draft_pays_only_when_the_trees_return_their_wait():
     assert b.draft_pays([("s", 8)])  # step 0 of a session explores
     for _ in range(30):
         b.record("s", 8, [0])  # nothing accepted
-    b.sessions["s"][1] = 1  # not an exploration step
+    b.sessions["s"].steps = 1  # not an exploration step
     assert not b.draft_pays([("s", 8)])
-    b.sessions["s"][1] = EXPLORE_EVERY
+    b.sessions["s"].steps = EXPLORE_EVERY
     assert b.draft_pays([("s", 8)])
     for _ in range(30):
         b.record("t", 8, [0, 1, 2, 3, 4])  # four of eight accepted every step
-    b.sessions["t"][1] = 1
+    b.sessions["t"].steps = 1
     assert b.draft_pays([("t", 8)])
     assert AdaptiveBudget(max_nodes=8).draft_pays([("u", 8)])  # no cost measured yet
 
@@ -228,7 +228,7 @@ def test_plan_made_during_the_forward_is_what_the_next_step_uses():
     assert not b.draft_pays([("s", 8)])  # the next one skips the drafter
     assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []
     assert b._plan is None  # a plan serves one step
-    b.sessions["s"][1] = 3
+    b.sessions["s"].steps = 3
     assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []  # decided now, the same way
 
 
@@ -239,7 +239,7 @@ def test_with_only_the_whole_tree_measured_root_only_steps_get_tried():
     b.costs.observe(rows=17, verify_s=4.0, fixed_s=0.5, wait_s=1.0)  # bucket 32 only
     for _ in range(10):
         b.record("s", 16, [0])  # nothing accepted
-    b.sessions["s"][1] = 3
+    b.sessions["s"].steps = 3
     assert not b.draft_pays([("s", 16)])
     b.costs.observe(rows=1, verify_s=3.0, fixed_s=0.5)  # measured: a root-only step costs most of the whole tree
     assert b.costs.step(1, drafting=False) == pytest.approx(0.5 + 3.0)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -180,6 +181,13 @@ def choose(rates: list[np.ndarray], fixed_rows: int, base_tokens: int, step_s) -
     return np.bincount(owner[order[:best_m]], minlength=len(rates)).tolist()
 
 
+@dataclass
+class _SessionState:
+    acceptance: NodeAcceptance
+    steps: int = 0  # verify steps recorded
+    cached: tuple = (None, None)  # ((estimates version, n), rates) last computed
+
+
 class AdaptiveBudget:
     """The engine's side: each session's estimates, the step costs, and the trimming of a step's drafts."""
 
@@ -187,7 +195,7 @@ class AdaptiveBudget:
         self.max_nodes = max_nodes
         self.costs = StepCosts()
         self.prior = GlobalAcceptance(max_nodes)
-        self.sessions: dict[str, list] = {}  # session id -> [NodeAcceptance, steps verified, cached rates]
+        self.sessions: dict[str, _SessionState] = {}
         self._version = 0  # bumped by every record: the estimates it changed
         self._plan: tuple[int, bool, dict] | None = None  # plan_next's (fixed rows, draft?, nodes to keep)
         # the last step: start, end, rows, verify seconds, draft wait (None: nothing drafted)
@@ -216,9 +224,8 @@ class AdaptiveBudget:
         """During a step's forward (the host is idle): the next step's choices for these decoding sessions ((id,
         most nodes its tree may have)), from the estimates before this step's records (one step stale), so that
         sending the next Proposes and cutting the next trees cost the critical path nothing."""
-        limits = [(sid, min(limit, self.max_nodes)) for sid, limit in sessions]
-        draft, keep = self._decide(limits, len(limits), 1, len(limits))
-        self._plan = (len(limits), draft, keep)
+        draft, keep = self._decide(sessions, len(sessions), 1, len(sessions))
+        self._plan = (len(sessions), draft, keep)
 
     def _decide(self, sessions: list[tuple[str, int]], fixed_rows: int, ahead: int,
                 decoding: int) -> tuple[bool, dict]:
@@ -228,6 +235,7 @@ class AdaptiveBudget:
         keep, ids, rates, base, rows = {}, [], [], float(decoding), fixed_rows
         exploring = False
         for sid, n in sessions:
+            n = min(n, self.max_nodes)
             r, steps = self._rates(sid, n)
             if (steps + ahead) % EXPLORE_EVERY == 0:  # the whole tree: its ranks stay measured
                 keep[sid], exploring, rows, base = None, True, rows + n, base + float(r.sum())
@@ -246,19 +254,25 @@ class AdaptiveBudget:
 
     def record(self, sid: str, verified: int, accepted_rows: list[int]) -> None:
         """After a session's walk: it verified nodes 1..verified, accepted_rows = [0 (root), its accepted nodes]."""
-        entry = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0, None])
-        entry[0].record(verified, accepted_rows[1:], SESSION_DECAY)
-        entry[1] += 1
+        state = self._state(sid)
+        state.acceptance.record(verified, accepted_rows[1:], SESSION_DECAY)
+        state.steps += 1
         self.prior.record(verified, accepted_rows[1:])
         self._version += 1
+
+    def _state(self, sid: str) -> _SessionState:
+        state = self.sessions.get(sid)
+        if state is None:
+            state = self.sessions[sid] = _SessionState(NodeAcceptance(self.max_nodes))
+        return state
 
     def _rates(self, sid: str, n: int) -> tuple[np.ndarray, int]:
         """(The session's estimates for nodes 1..n, its verified steps). Estimates change only when a session
         records, so `draft_pays` at a step's end and `trim` at the next one's start compute them once."""
-        entry = self.sessions.setdefault(sid, [NodeAcceptance(self.max_nodes), 0, None])
-        if entry[2] is None or entry[2][0] != (self._version, n):
-            entry[2] = ((self._version, n), entry[0].rates(n, self.prior.rate))
-        return entry[2][1], entry[1]
+        state = self._state(sid)
+        if state.cached[0] != (self._version, n):
+            state.cached = ((self._version, n), state.acceptance.rates(n, self.prior.rate))
+        return state.cached[1], state.steps
 
     def observe_step(self, rows: int, verify_s: float, wait_s: float | None, start: float, end: float) -> None:
         """A step's rows, verify seconds and draft wait (None: it drafted nothing), its start and end
@@ -279,8 +293,7 @@ class AdaptiveBudget:
         decision `plan_next` made during the last forward, when it covers these sessions."""
         if self._plan is not None and all(sid in self._plan[2] for sid, _ in sessions):
             return self._plan[1]
-        limits = [(sid, min(limit, self.max_nodes)) for sid, limit in sessions]
-        return self._decide(limits, len(limits), 0, len(limits))[0]
+        return self._decide(sessions, len(sessions), 0, len(sessions))[0]
 
     def forget(self, sid: str) -> None:
         self.sessions.pop(sid, None)

@@ -166,10 +166,11 @@ class Engine:
         t0 = time.perf_counter()
         decoding = [s for s in self.active.values() if s.decoding]
         drafts = self._drafts(decoding) if self.drafting else {}
+        chunks = self._prefill_chunks()
         if self.budget is not None and drafts:
-            drafts = self.budget.trim(drafts, len(decoding), len(decoding) + self._prefill_rows())
+            drafts = self.budget.trim(drafts, len(decoding), len(decoding) + sum(n for _, _, n in chunks))
         t1 = time.perf_counter()
-        seqs, jobs = self._rows(decoding, drafts)
+        seqs, jobs = self._rows(decoding, drafts, chunks)
         logit_rows = [r for job in jobs for r in job["logit_rows"]]
         # A host plan: the runner pads it for a CUDA graph on the host, or moves it in one copy.
         plan = build_plan(seqs, logit_rows=logit_rows, pin=self.runner.device.type == "cuda")
@@ -186,14 +187,17 @@ class Engine:
         if self.budget is not None:  # the step waited for drafts if it verified any
             self.budget.observe_step(plan.num_rows, t2 - t1, t1 - t0 if drafts else None, t0, t3)
 
-    def _prefill_rows(self) -> int:
-        """The prompt rows `_rows` will add this step (same rule: up to prefill_chunk in all, session order)."""
-        budget, rows = self.config.prefill_chunk, 0
+    def _prefill_chunks(self) -> list[tuple[Session, int, int]]:
+        """This step's prompt chunks (session, first position, tokens): up to prefill_chunk tokens in all, sessions in
+        admission order."""
+        chunks, budget = [], self.config.prefill_chunk
         for s in self.active.values():
-            if not s.decoding and budget > 0:
-                n = min(budget, len(s.prompt) - s.prefilled)
-                rows, budget = rows + n, budget - n
-        return rows
+            if s.decoding or budget <= 0:
+                continue
+            n = min(budget, len(s.prompt) - s.prefilled)
+            chunks.append((s, s.prefilled, n))
+            budget -= n
+        return chunks
 
     def _drafts(self, decoding: list[Session]) -> dict:
         """The drafts sent for ahead (sessions finished since are dropped by `_rows`), and a Propose
@@ -212,16 +216,17 @@ class Engine:
         self.inflight = kept
         rest = [s for s in decoding if s.id not in sent]
         if rest and not self._draft_pays(rest):  # a root-only step: no wait for the drafter
-            for s in rest:
+            skipped = [s for s in rest if s.params.mode != AR]
+            for s in skipped:
                 s.skipped_draft = True
-            metrics.DRAFT_SKIPPED.inc(len(rest))
+            metrics.DRAFT_SKIPPED.inc(len(skipped))
             return drafts
         return drafts | self.drafting.draft(rest) if rest else drafts
 
     def _draft_pays(self, sessions: list[Session]) -> bool:
-        if self.budget is None:
-            return True
-        return self.budget.draft_pays([(s.id, self._tree_nodes(s)) for s in sessions])
+        """Whether the next step waits for these sessions' trees (AR-mode sessions, which draft nothing, left out)."""
+        drafted = [(s.id, self._tree_nodes(s)) for s in sessions if s.params.mode != AR]
+        return self.budget is None or not drafted or self.budget.draft_pays(drafted)
 
     def _tree_nodes(self, s: Session) -> int:
         """Nodes the drafter will return for the session: its tree budget; a chain, block_size - 1 (the limit a
@@ -230,8 +235,8 @@ class Engine:
             return self.block_size - 1
         return self.drafting.node_limit(s)
 
-    def _rows(self, decoding: list[Session], drafts: dict):
-        """Per-session SeqRows (verify trees first, then prefill chunks) and what to do with the output."""
+    def _rows(self, decoding: list[Session], drafts: dict, chunks: list[tuple[Session, int, int]]):
+        """Per-session SeqRows (verify trees first, then the prefill chunks) and what to do with the output."""
         seqs, jobs, row = [], [], 0
         for s in decoding:
             d = drafts.get(s.id)
@@ -243,13 +248,8 @@ class Engine:
                              logit_rows=range(row, row + n), drafted=d is not None or s.skipped_draft))
             s.skipped_draft = False
             row += n
-        budget = self.config.prefill_chunk
-        for s in self.active.values():
-            if s.decoding or budget <= 0:
-                continue
-            start = s.prefilled
-            chunk = s.prompt[start: start + budget]
-            budget -= len(chunk)
+        for s, start, n in chunks:
+            chunk = s.prompt[start: start + n]
             slots = self.table.extend(s.id, len(chunk))
             seqs.append(SeqRows(chunk, chain_parents(len(chunk)), start, self.table.pages(s.id), slots))
             last = start + len(chunk) == len(s.prompt)
@@ -287,7 +287,7 @@ class Engine:
         kept = self._kept_features(keep, out.hidden, host.hidden) if keep else []
         ends = [(s, *self._settle(s, tokens), logprobs, tops, steps) for s, tokens, logprobs, tops, steps in emits]
         if self.drafting:  # the drafter works on the next step while this one fills rings, commits and streams
-            ready = [s for s, _, reason, *_ in ends if reason is None and s.params.mode != AR]
+            ready = [s for s, _, reason, *_ in ends if reason is None]
             if ready and not self._draft_pays(ready):  # the next step is root-only (`_drafts` decides the same)
                 ready = []
             chunked = [s for s in (job["s"] for job in live if job["kind"] == "prefill")  # mid-prompt: rows go ahead
