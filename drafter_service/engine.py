@@ -22,7 +22,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from .graphs import DrafterGraphs, block_logits, inject_rows, packed_trees
+from .graphs import DrafterGraphs, block_logits, inject_rows, packed_trees, unpack_trees
 from .kv_cache import KVPool, context_tables, page_bytes
 from .model import DFlashDrafter
 from .sessions import CacheFullError, InjectPlan, Resync, SessionTable, UnknownSessionError
@@ -311,11 +311,8 @@ class DrafterEngine:
             flat = self.graphs.tree(len(work), k, budget)
         else:  # one device→host copy, the step's only sync
             flat = packed_trees(logits.contiguous(), k, budget).cpu().numpy()
-        tokens, parents, depths = (flat[:, i * budget:(i + 1) * budget] for i in range(3))
-        count = flat[:, -1]
-        trees = [Tree(tokens[b, :n].copy(), parents[b, :n].astype(np.int32), depths[b, :n].astype(np.int32))
-                 for b, n in enumerate(count.tolist())]
-        return [Proposal(item.session_id, tree, plan.length) for (_, item, plan), tree in zip(work, trees)]
+        return [Proposal(item.session_id, tree, plan.length)
+                for (_, item, plan), tree in zip(work, unpack_trees(flat, budget))]
 
 
 def _is_int(x) -> bool:

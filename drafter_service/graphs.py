@@ -32,6 +32,7 @@ import torch
 
 from .kv_cache import KVPool, context_from_tables
 from .model import DFlashDrafter, PagedContext
+from .tree import Tree
 
 INJECT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -60,12 +61,22 @@ def block_logits(model: DFlashDrafter, pool: KVPool, block_ids: torch.Tensor, bl
 
 
 def packed_trees(logits: torch.Tensor, k: int, budget: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """kernels/ddtree_build's trees of logits [S, L, V] packed as int64 [S, 3 * budget + 1] = tokens | parents |
-    depths | count per session (into `out` if given), so that one device→host copy reads them."""
+    """kernels/ddtree_build's trees of logits [S, L, V] packed as int64 [S, 4 * budget + 1] = tokens | parents |
+    depths | logprobs (fp32 bits in the low word) | count per session (into `out` if given), so that one device→host
+    copy reads them (`unpack_trees`)."""
     from kernels.ddtree_build import ddtree_build
 
-    tokens, parents, depths, count = ddtree_build(logits, k, budget)
-    return torch.cat([tokens, parents.long(), depths.long(), count.long()[:, None]], dim=1, out=out)
+    tokens, parents, depths, logprobs, count = ddtree_build(logits, k, budget)
+    return torch.cat([tokens, parents.long(), depths.long(), logprobs.view(torch.int32).long(), count.long()[:, None]],
+                     dim=1, out=out)
+
+
+def unpack_trees(flat: np.ndarray, budget: int) -> list:
+    """`packed_trees`' host copy [S, 4 * budget + 1] -> one tree.Tree per session."""
+    tokens, parents, depths, bits = (flat[:, i * budget:(i + 1) * budget] for i in range(4))
+    logprobs = bits.astype(np.int32).view(np.float32)  # the low 32 bits: the fp32 the device wrote
+    return [Tree(tokens[b, :n].copy(), parents[b, :n].astype(np.int32), depths[b, :n].astype(np.int32),
+                 logprobs[b, :n].copy()) for b, n in enumerate(flat[:, -1].tolist())]
 
 
 class _Buffers:
@@ -94,7 +105,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     buffers: _Buffers
     features: torch.Tensor | None  # inject graphs: [n_bucket, F] static feature rows
-    out: torch.Tensor | None  # tree graphs: int64 [B_bucket, 3 * budget + 1] (tokens | parents | depths | count)
+    out: torch.Tensor | None  # tree graphs: int64 [B_bucket, 4 * budget + 1] as packed_trees packs them
     host: torch.Tensor | None = None  # tree graphs: pinned host twin of `out`
 
 
@@ -142,9 +153,8 @@ class DrafterGraphs:
         return self.logits[bucket][:B]
 
     def tree(self, sessions: int, k: int, budget: int) -> np.ndarray:
-        """After `block` of `sessions` sessions: the trees of its logits (kernels/ddtree_build), as host int64
-        [sessions, 3 * budget + 1] = tokens | parents | depths | count per session (valid until the next
-        call); waits for the device."""
+        """After `block` of `sessions` sessions: the trees of its logits (kernels/ddtree_build), as `packed_trees`
+        packs them (host int64 [sessions, 4 * budget + 1], valid until the next call); waits for the device."""
         bucket = next(b for b in BATCH_BUCKETS if b >= sessions)
         g = self.tree_graphs.get((bucket, k, budget)) or self._capture_tree(bucket, k, budget)
         g.graph.replay()
@@ -205,7 +215,7 @@ class DrafterGraphs:
     def _capture_tree(self, bucket: int, k: int, budget: int) -> _Graph:
         # ddtree_build's counters exist already: the engine's warm-up called it before any capture
         logits = self.logits[bucket]  # a block graph of this bucket ran just before
-        out = torch.zeros(bucket, 3 * budget + 1, dtype=torch.int64, device=self.device)
+        out = torch.zeros(bucket, 4 * budget + 1, dtype=torch.int64, device=self.device)
         graph = self._capture(lambda: packed_trees(logits, k, budget, out=out))
         host = torch.zeros(out.shape, dtype=torch.int64, pin_memory=True)
         g = self.tree_graphs[(bucket, k, budget)] = _Graph(graph, None, None, out, host)

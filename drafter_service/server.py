@@ -53,7 +53,8 @@ def result_to_proto(r) -> dpb.ProposeResult:
     if not isinstance(r, Proposal):
         return dpb.ProposeResult(session_id=r.session_id, resync_required=dpb.ResyncRequired(cache_length=r.cache_len))
     out = dpb.ProposeResult(session_id=r.session_id, tree=dpb.DraftTree(
-        tokens=r.tree.tokens.tolist(), parents=r.tree.parents.tolist(), depths=r.tree.depths.tolist()))
+        tokens=r.tree.tokens.tolist(), parents=r.tree.parents.tolist(), depths=r.tree.depths.tolist(),
+        logprobs=r.tree.logprobs.tolist()))
     if r.topk_ids is not None:
         out.draft_logprobs.k = r.topk_ids.shape[1]
         out.draft_logprobs.token_ids.extend(r.topk_ids.reshape(-1).tolist())

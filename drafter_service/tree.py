@@ -26,6 +26,7 @@ class Tree:
     tokens: np.ndarray  # [N] int64 token of node i at tokens[i - 1]
     parents: np.ndarray  # [N] int32; parents[i - 1] ∈ [0, i), 0 = root
     depths: np.ndarray  # [N] int32; 1..L, depth(node) = depth(parent) + 1
+    logprobs: np.ndarray  # [N] float32; log q_d(token) of node i at its depth d (its path's score is the sum)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,6 +59,7 @@ def build_tree(token_ids: np.ndarray, logprobs: np.ndarray, budget: int) -> Tree
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
+    node_lps: list[float] = []
     # entry: (-score, depth, rank path, parent index, parent score); rank paths are unique, so the
     # comparison never reaches the last two fields.
     heap = [(-lp[0][0], 1, (0,), 0, 0.0)] if budget and depth_max and k else []
@@ -67,6 +69,7 @@ def build_tree(token_ids: np.ndarray, logprobs: np.ndarray, budget: int) -> Tree
         tokens.append(tok[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
+        node_lps.append(lp[depth - 1][rank])
         if rank + 1 < k:  # next sibling: same parent, next-ranked token at this depth
             score = parent_score + lp[depth - 1][rank + 1]
             heapq.heappush(heap, (-score, depth, ranks[:-1] + (rank + 1,), parent, parent_score))
@@ -74,4 +77,4 @@ def build_tree(token_ids: np.ndarray, logprobs: np.ndarray, budget: int) -> Tree
             score = -neg_score + lp[depth][0]
             heapq.heappush(heap, (-score, depth + 1, ranks + (0,), len(tokens), -neg_score))
     return Tree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int32),
-                np.array(depths, dtype=np.int32))
+                np.array(depths, dtype=np.int32), np.array(node_lps, dtype=np.float32))

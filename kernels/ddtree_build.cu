@@ -398,13 +398,14 @@ __device__ int tree_warp(TreeSmem& ts, int L, int K, int budget, int* parents, i
 
 // Tree of session s from ids/lps [L, K] (lps already in ts.lp) -> outputs, padded to budget.
 __device__ void tree_session(TreeSmem& ts, const i64* ids, int L, int K, int budget, i64* tokens, int* parents,
-                             int* depths, int* count) {
+                             int* depths, float* logprobs, int* count) {
   const int made = tree_warp(ts, L, K, budget, parents, depths);
   for (int n = threadIdx.x; n < budget; n += 32) {
     if (n < made) {
-      tokens[n] = __ldcg(ids + (ts.depth[n + 1] - 1) * K + ts.rank[n + 1]);
+      const int at = (ts.depth[n + 1] - 1) * K + ts.rank[n + 1];
+      tokens[n] = __ldcg(ids + at), logprobs[n] = ts.lp[at];
     } else {
-      tokens[n] = -1, parents[n] = -1, depths[n] = 0;
+      tokens[n] = -1, parents[n] = -1, depths[n] = 0, logprobs[n] = 0.f;
     }
   }
   if (threadIdx.x == 0) *count = made;
@@ -412,12 +413,14 @@ __device__ void tree_session(TreeSmem& ts, const i64* ids, int L, int K, int bud
 
 // logits [S * L, V] -> ids [S * L, K] int64 and log-probs fp32 (best first), via part_keys
 // [S * L, C, K] and part_ms [S * L, C]; with budget >= 0 (<= TREE_WARP_MAX) also the trees:
-// tokens [S, budget] int64, parents/depths [S, budget] int32, count [S]. counters [S * L + S] are
+// tokens [S, budget] int64, parents/depths [S, budget] int32, logprobs [S, budget] fp32 (each node's
+// log-prob at its depth), count [S]. counters [S * L + S] are
 // zero before the launch and after it. Grid (C, S * L), NT threads.
 template <typename T>
 __global__ void __launch_bounds__(NT, 4)  // 64 registers: 4 blocks of 256 per SM
     ddtree_fused(const T* __restrict__ logits, int V, int K, int C, int L, int vec_ok, u64* part_keys, float2* part_ms,
-                 i64* ids, float* lps, int* counters, int budget, i64* tokens, int* parents, int* depths, int* count) {
+                 i64* ids, float* lps, int* counters, int budget, i64* tokens, int* parents, int* depths,
+                 float* logprobs, int* count) {
   __shared__ Smem sm;
   const int c = blockIdx.x, row = blockIdx.y;
   const i64 part = (i64)row * C;
@@ -434,7 +437,7 @@ __global__ void __launch_bounds__(NT, 4)  // 64 registers: 4 blocks of 256 per S
   __syncthreads();
   if (threadIdx.x >= 32) return;
   tree_session(ts, ids + (i64)s * L * K, L, K, budget, tokens + (i64)s * budget, parents + (i64)s * budget,
-               depths + (i64)s * budget, count + s);
+               depths + (i64)s * budget, logprobs + (i64)s * budget, count + s);
 }
 
 // ---- The heap tree (one thread), for budgets above TREE_WARP_MAX ----
@@ -473,13 +476,14 @@ __device__ Entry pop(Entry* heap, int& n) {
 }
 
 __device__ void tree_heap(Entry* heap, const i64* id, const float* lp, int L, int K, int budget, i64* tokens,
-                          int* parents, int* depths, int* count) {
+                          int* parents, int* depths, float* logprobs, int* count) {
   int n = 0, made = 0;
   if (budget > 0 && L > 0 && K > 0) push(heap, n, Entry{-(double)lp[0], 0.0, 0ull, 0ull, 1, 0});
   while (n > 0 && made < budget) {
     const Entry e = pop(heap, n);
     const int rank = digit(e, e.depth - 1);
     tokens[made] = id[(e.depth - 1) * K + rank], parents[made] = e.parent, depths[made] = e.depth;
+    logprobs[made] = lp[(e.depth - 1) * K + rank];
     ++made;
     if (rank + 1 < K) {  // next sibling: same parent, next rank at this depth
       Entry sib = e;
@@ -495,26 +499,26 @@ __device__ void tree_heap(Entry* heap, const i64* id, const float* lp, int L, in
       push(heap, n, child);
     }
   }
-  for (int i = made; i < budget; ++i) tokens[i] = -1, parents[i] = -1, depths[i] = 0;
+  for (int i = made; i < budget; ++i) tokens[i] = -1, parents[i] = -1, depths[i] = 0, logprobs[i] = 0.f;
   *count = made;
 }
 
 // One warp per session: ids/lps [S, L, K] -> tokens [S, budget] (-1 pad), parents/depths [S, budget]
-// (parent 0 = root; -1 / 0 pad), count [S]. budget <= TREE_WARP_MAX: the warp tree; above: thread 0
-// runs the heap in dynamic smem, (2 * budget + 1) entries.
+// (parent 0 = root; -1 / 0 pad), logprobs [S, budget] (0 pad), count [S]. budget <= TREE_WARP_MAX: the warp
+// tree; above: thread 0 runs the heap in dynamic smem, (2 * budget + 1) entries.
 extern "C" __global__ void ddtree_tree(const i64* ids, const float* lps, int S, int L, int K, int budget,
-                                       i64* tokens, int* parents, int* depths, int* count) {
+                                       i64* tokens, int* parents, int* depths, float* logprobs, int* count) {
   extern __shared__ Entry heap[];
   __shared__ TreeSmem ts;
   const int s = blockIdx.x;
   const i64* id = ids + (i64)s * L * K;
   const float* lp = lps + (i64)s * L * K;
-  tokens += (i64)s * budget, parents += (i64)s * budget, depths += (i64)s * budget;
+  tokens += (i64)s * budget, parents += (i64)s * budget, depths += (i64)s * budget, logprobs += (i64)s * budget;
   if (budget > TREE_WARP_MAX) {
-    if (threadIdx.x == 0) tree_heap(heap, id, lp, L, K, budget, tokens, parents, depths, count + s);
+    if (threadIdx.x == 0) tree_heap(heap, id, lp, L, K, budget, tokens, parents, depths, logprobs, count + s);
     return;
   }
   for (int i = threadIdx.x; i < L * K; i += 32) ts.lp[i] = lp[i];
   __syncwarp();
-  tree_session(ts, id, L, K, budget, tokens, parents, depths, count + s);
+  tree_session(ts, id, L, K, budget, tokens, parents, depths, logprobs, count + s);
 }

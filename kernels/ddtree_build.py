@@ -1,6 +1,6 @@
 """DDTree construction on the device: per-depth log-softmax + top-K, then the best-first tree.
 
-    ddtree_build(logits, k, budget) -> (tokens, parents, depths, count)
+    ddtree_build(logits, k, budget) -> (tokens, parents, depths, logprobs, count)
 
 logits   [S, L, V] bf16 or fp32 contiguous: the drafter's block logits for depths 1..L (L <= 16)
 k        ranks kept per depth, 1 <= k <= min(64, V)
@@ -8,6 +8,7 @@ budget   nodes per tree, 0 <= budget <= 1024
 tokens   int64 [S, budget]  token of node i (1..count) at [:, i-1]; -1 past count
 parents  int32 [S, budget]  parent of node i in [0, i), 0 = the root; -1 past count
 depths   int32 [S, budget]  1..L; 0 past count
+logprobs fp32  [S, budget]  node i's log-prob at its depth, log q_d(token) (not the path's sum); 0 past count
 count    int32 [S]          nodes built (< budget only when L·k candidates run out)
 
 Same tree as drafter_service/tree.py (topk_logprobs + build_tree): nodes in the order score
@@ -46,7 +47,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _fused(logits: torch.Tensor, k: int, budget: int, tree: tuple | None):
-    """The fused launch: ids/lps [S, L, k]; with `tree` (tokens, parents, depths, count) also the trees."""
+    """The fused launch: ids/lps [S, L, k]; with `tree` (tokens, parents, depths, logprobs, count) also the trees."""
     S, L, V = logits.shape
     chunk = NT * 64 // logits.element_size()  # 4 x 16 bytes per thread
     C = -(-V // chunk)
@@ -57,7 +58,7 @@ def _fused(logits: torch.Tensor, k: int, budget: int, tree: tuple | None):
     part_ms = torch.empty(S * L * C * 2, dtype=torch.float32, device=dev)
     vec_ok = int(logits.data_ptr() % 16 == 0 and V * logits.element_size() % 16 == 0)
     name = "ddtree_fused<float>" if logits.dtype == torch.float32 else "ddtree_fused<u16>"
-    outs = tree if tree is not None else (ids, ids, ids, ids)  # unused pointers without trees
+    outs = tree if tree is not None else (ids,) * 5  # unused pointers without trees
     launch(get_kernels(cuda_source(CODE), NAMES)[name], (C, S * L), NT, logits, V, k, C, L, vec_ok, part_keys,
            part_ms, ids, lps, _counters(dev, S * L + S), budget if tree is not None else -1, *outs)
     return ids, lps
@@ -82,11 +83,13 @@ def ddtree_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 def _tree_outputs(S: int, budget: int, dev):
     return (torch.empty(S, budget, dtype=torch.int64, device=dev),
             torch.empty(S, budget, dtype=torch.int32, device=dev),
-            torch.empty(S, budget, dtype=torch.int32, device=dev), torch.empty(S, dtype=torch.int32, device=dev))
+            torch.empty(S, budget, dtype=torch.int32, device=dev),
+            torch.empty(S, budget, dtype=torch.float32, device=dev),
+            torch.empty(S, dtype=torch.int32, device=dev))
 
 
 def ddtree_tree(ids: torch.Tensor, lps: torch.Tensor, budget: int):
-    """Top-k tables [S, L, k] -> (tokens, parents, depths, count) as in `ddtree_build`."""
+    """Top-k tables [S, L, k] -> (tokens, parents, depths, logprobs, count) as in `ddtree_build`."""
     S, L, k = ids.shape
     assert ids.dtype == torch.int64 and lps.dtype == torch.float32 and lps.shape == ids.shape
     assert ids.is_contiguous() and lps.is_contiguous() and L <= 16 and k <= 64 and 0 <= budget <= 1024
@@ -121,14 +124,16 @@ def ddtree_tree_ref(ids: torch.Tensor, lps: torch.Tensor, budget: int):
     tokens = torch.full((S, budget), -1, dtype=torch.int64)
     parents = torch.full((S, budget), -1, dtype=torch.int32)
     depths = torch.zeros((S, budget), dtype=torch.int32)
+    logprobs = torch.zeros((S, budget), dtype=torch.float32)
     count = torch.zeros(S, dtype=torch.int32)
     for s in range(S):
-        lp, tok = lps[s].double().tolist(), ids[s].tolist()
+        lp, lp32, tok = lps[s].double().tolist(), lps[s].tolist(), ids[s].tolist()
         heap = [(-lp[0][0], 1, (0,), 0, 0.0)] if budget and L and k else []
         n = 0
         while heap and n < budget:
             neg, depth, ranks, parent, parent_score = heapq.heappop(heap)
             tokens[s, n], parents[s, n], depths[s, n] = tok[depth - 1][ranks[-1]], parent, depth
+            logprobs[s, n] = lp32[depth - 1][ranks[-1]]
             n += 1
             if ranks[-1] + 1 < k:
                 score = parent_score + lp[depth - 1][ranks[-1] + 1]
@@ -136,7 +141,7 @@ def ddtree_tree_ref(ids: torch.Tensor, lps: torch.Tensor, budget: int):
             if depth < L:
                 heapq.heappush(heap, (-(-neg + lp[depth][0]), depth + 1, ranks + (0,), n, -neg))
         count[s] = n
-    return tuple(t.to(ids.device) for t in (tokens, parents, depths, count))
+    return tuple(t.to(ids.device) for t in (tokens, parents, depths, logprobs, count))
 
 
 def ddtree_build_ref(logits: torch.Tensor, k: int, budget: int):

@@ -49,7 +49,7 @@ def _health_cmd(args) -> int:
 def add_parsers(sub) -> None:
     from drafter_service import bench_draft
     from kernels import cli as kernels_cli  # light imports: no torch until a command runs
-    from tools import bench_grammar, bench_spec
+    from tools import bench_grammar, bench_spec, budget_replay
     from verifier_service import bench_verify
 
     kernels_cli.add_parser(sub)
@@ -60,6 +60,7 @@ def add_parsers(sub) -> None:
     bench_draft.add_parser(bsub)
     bench_spec.add_parser(bsub)
     bench_grammar.add_parser(bsub)
+    budget_replay.add_parser(bsub)
     p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 iff SERVING)")
     p.add_argument("--address", default="localhost:50051")
     p.add_argument("--service", default="", help="e.g. ddtree.v1.Generation ('' = process liveness)")

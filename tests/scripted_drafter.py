@@ -239,11 +239,15 @@ class ScriptedDrafter(dpb_grpc.DrafterServicer):
                      f"but the next root index is {j}")
 
     def _malformed(self, step: int, budget: int) -> dpb.DraftTree:
-        kind = step // max(1, self.faults.malformed_every) % 3
+        kind = step // max(1, self.faults.malformed_every) % 5
         if kind == 0:  # parent not an earlier node
             return dpb.DraftTree(tokens=[1, 2], parents=[0, 2], depths=[1, 2])
         if kind == 1:  # token outside the vocabulary
             return dpb.DraftTree(tokens=[self.vocab + 5], parents=[0], depths=[1])
+        if kind == 2:  # fewer log-probs than nodes
+            return dpb.DraftTree(tokens=[1, 2], parents=[0, 1], depths=[1, 2], logprobs=[-0.5])
+        if kind == 3:  # not a log-probability
+            return dpb.DraftTree(tokens=[1, 2], parents=[0, 1], depths=[1, 2], logprobs=[-0.5, float("nan")])
         n = budget + 3  # more nodes than asked for
         return _chain_tree([(7 * d) % self.vocab for d in range(1, n + 1)])
 

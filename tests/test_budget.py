@@ -1,18 +1,20 @@
-"""Adaptive tree budget (verifier_service/budget.py): the node choice against brute force over every per-session
-prefix, the premise that a best-first tree's first n nodes are the n-node tree, and the estimators."""
+"""Adaptive tree budget (verifier_service/budget.py) and the drafter's calibration
+(verifier_service/draft_calibration.py): the node choice against brute force over every parent-closed subset, the isotonic fit against pool-adjacent-violators,
+the calibration against the acceptance law that generated its observations, and the engine-facing decisions."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import numpy as np
 import pytest
 
-from drafter_service.tree import build_tree
-from verifier_service import budget
-from verifier_service.budget import (EXPLORE_EVERY, AdaptiveBudget, GlobalAcceptance, NodeAcceptance, StepCosts,
-                                     choose, non_increasing, row_bucket)
+from verifier_service import budget, draft_calibration
+from verifier_service.acceptance import tree_depths
+from verifier_service.budget import EXPLORE_EVERY, AdaptiveBudget, StepCosts, choose, cut, row_bucket
+from verifier_service.draft_calibration import Q_BINS, Calibration, non_increasing_rows
 from verifier_service.drafter_client import Draft
 
 
@@ -25,38 +27,65 @@ def bucket_costs(rng: random.Random, fixed: float):
     return lambda rows: fixed + per[row_bucket(rows)]
 
 
-def objective(rates, keep, fixed_rows, base, step_s) -> float:
-    return (base + sum(float(r[:n].sum()) for r, n in zip(rates, keep))) / step_s(fixed_rows + sum(keep))
+def random_tree(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(i + 1) for i in range(n)]  # node i + 1's parent, in [0, i + 1)
+
+
+def closed_subsets(parents: list[int]) -> list[tuple[int, ...]]:
+    """Every set of nodes (1-based) that holds each member's parent."""
+    out = []
+    for mask in itertools.product((False, True), repeat=len(parents)):
+        nodes = tuple(i + 1 for i, m in enumerate(mask) if m)
+        if all(parents[i - 1] == 0 or mask[parents[i - 1] - 1] for i in nodes):
+            out.append(nodes)
+    return out
+
+
+def path_products(parents: list[int], c: list[float]) -> np.ndarray:
+    a = [1.0]
+    for i, p in enumerate(parents):
+        a.append(a[p] * c[i])
+    return np.array(a[1:])
 
 
 @pytest.mark.parametrize("margin", [0.0, budget.MARGIN])
 @pytest.mark.parametrize("seed", range(40))
 def test_choose_matches_brute_force(seed, margin, monkeypatch):
-    """Without a margin: the best value over every per-session prefix. With it: within the margin of the best,
-    and never fewer nodes than a best choice."""
+    """Rates that are products over each path (a child's at most its parent's). Without a margin: the best value over
+    every combination of parent-closed subsets. With it: within the margin of the best, and never fewer nodes than a
+    best choice. The kept nodes are always parent-closed."""
     monkeypatch.setattr(budget, "MARGIN", margin)
     rng = random.Random(seed)
-    sessions = rng.randint(1, 3)
-    rates = [np.minimum.accumulate(np.array([rng.choice([0.0, 0.005, rng.random()]) for _ in range(rng.randint(0, 6))]))
-             for _ in range(sessions)]
-    fixed_rows, base = sessions + rng.choice([0, 0, 5, 40]), float(sessions)
+    trees = [random_tree(rng, rng.randint(0, 5)) for _ in range(rng.randint(1, 3))]
+    rates = [path_products(t, [rng.choice([0.0, 1.0, 0.02, rng.random()]) for _ in t]) for t in trees]
+    fixed_rows, base = len(trees) + rng.choice([0, 0, 5, 40]), float(len(trees))
     step_s = bucket_costs(rng, rng.uniform(0.0, 5.0))
-    keep = choose(rates, fixed_rows, base, step_s)
-    usable = [int((r > 0).sum()) for r in rates]  # a node never accepted is never kept
-    combos = list(itertools.product(*(range(u + 1) for u in usable)))
-    values = [objective(rates, c, fixed_rows, base, step_s) for c in combos]
+
+    def value(sets) -> float:
+        return (base + sum(float(r[np.array(s, dtype=int) - 1].sum()) for r, s in zip(rates, sets))) / \
+            step_s(fixed_rows + sum(len(s) for s in sets))
+
+    kept = choose(rates, fixed_rows, base, step_s)
+    got_sets = [tuple(k.tolist()) for k in kept]
+    for t, s, r in zip(trees, got_sets, rates):
+        assert s in closed_subsets(t) and all(r[i - 1] > 0 for i in s)  # parent-closed, no node never accepted
+    combos = list(itertools.product(*(closed_subsets(t) for t in trees)))
+    values = [value(c) for c in combos]
     best = max(values)
-    assert all(0 <= n <= u for n, u in zip(keep, usable))
-    got = objective(rates, keep, fixed_rows, base, step_s)
     if margin == 0:
-        assert got == pytest.approx(best, rel=1e-12)
+        assert value(got_sets) == pytest.approx(best, rel=1e-12)
     else:
-        assert got * (1 + margin) >= best * (1 - 1e-12)
-        assert sum(keep) >= min(sum(c) for c, v in zip(combos, values) if v == best)
+        assert value(got_sets) * (1 + margin) >= best * (1 - 1e-12)
+        fewest = min(sum(len(s) for s in c) for c, v in zip(combos, values) if v == best)
+        assert sum(len(s) for s in got_sets) >= fewest
 
 
-def test_choose_unknown_cost_keeps_everything():
+def test_choose_unknown_cost_and_extremes():
     assert choose([np.array([0.9, 0.5])], 1, 1.0, lambda rows: None) is None
+    flat = lambda rows: 1.0  # noqa: E731 - rows cost nothing: every useful node is verified
+    assert [k.tolist() for k in choose([np.array([0.9, 0.4, 0.0, 0.2])], 1, 1.0, flat)] == [[1, 2, 4]]
+    steep = lambda rows: float(rows)  # noqa: E731 - a row costs as much as the step: none is worth it
+    assert [k.tolist() for k in choose([np.array([0.3, 0.2])], 1, 1.0, steep)] == [[]]
 
 
 def pool_adjacent_violators(x: list[float], w: list[float]) -> list[float]:
@@ -73,62 +102,84 @@ def pool_adjacent_violators(x: list[float], w: list[float]) -> list[float]:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_non_increasing_is_pool_adjacent_violators(seed):
+def test_non_increasing_rows_is_pool_adjacent_violators(seed):
     rng = np.random.default_rng(seed)
-    x = rng.random(int(rng.integers(0, 65))) * rng.choice([1.0, 0.01])
-    w = rng.random(len(x)) * 20 + 0.1
-    for weights in (None, w):
-        y = non_increasing(x, weights)
-        wt = np.ones(len(x)) if weights is None else weights
-        assert y.tolist() == pytest.approx(pool_adjacent_violators(x.tolist(), wt.tolist()), rel=1e-9, abs=1e-12)
-        assert (np.diff(y) <= 1e-12).all() and (wt * y).sum() == pytest.approx((wt * x).sum())
-    assert non_increasing(np.array([0.5, 0.2, 0.4, 0.1])).tolist() == pytest.approx([0.5, 0.3, 0.3, 0.1])
+    rows, n = int(rng.integers(1, 5)), int(rng.integers(0, 30))
+    x = rng.random((rows, n)) * rng.choice([1.0, 0.01])
+    w = rng.random((rows, n)) * 20 + 0.1
+    y = non_increasing_rows(x, w)
+    for r in range(rows):
+        assert y[r].tolist() == pytest.approx(pool_adjacent_violators(x[r].tolist(), w[r].tolist()), rel=1e-9,
+                                              abs=1e-12)
+        assert (np.diff(y[r]) <= 1e-12).all() and (w[r] * y[r]).sum() == pytest.approx((w[r] * x[r]).sum())
+    got = non_increasing_rows(np.array([[0.5, 0.2, 0.4, 0.1]]), np.ones((1, 4)))
+    assert got[0].tolist() == pytest.approx([0.5, 0.3, 0.3, 0.1])
 
 
-def test_choose_extremes():
-    flat = lambda rows: 1.0  # noqa: E731 - rows cost nothing: every useful node is verified
-    assert choose([np.array([0.9, 0.4, 0.2, 0.0])], 1, 1.0, flat) == [3]
-    steep = lambda rows: float(rows)  # noqa: E731 - a row costs as much as the step: none is worth it
-    assert choose([np.array([0.3, 0.2])], 1, 1.0, steep) == [0]
+def test_calibration_starts_from_the_drafters_own_probability():
+    cal = Calibration()
+    parents, q = [0, 1, 1, 2], [0.93, 0.51, 0.2, 0.02]
+    center = [(math.floor(v * Q_BINS) + 0.5) / Q_BINS for v in q]  # each q's bin, at its middle
+    got = cal.path_rates(parents, tree_depths(parents)[1:], np.log(q))
+    assert got.tolist() == pytest.approx(path_products(parents, center).tolist())
+
+
+def test_calibration_counts_only_nodes_whose_parent_was_accepted():
+    cal = Calibration()
+    parents, depths = [0, 1, 0, 2, 3], [1, 2, 1, 3, 2]
+    q = np.log([0.9, 0.9, 0.3, 0.9, 0.9])
+    cal.record(parents, depths, q, [1, 2])  # path root -> 1 -> 2; node 4 (child of 2) tried and missed
+    trials = {(d, b): cal.trials[d, b] for d, b in zip(*np.nonzero(cal.trials))}
+    hits = {(d, b): cal.hits[d, b] for d, b in zip(*np.nonzero(cal.hits))}
+    # tried: node 1 (depth 1, bin 18), node 3 (depth 1, bin 6), node 2 (depth 2, bin 18), node 4 (depth 3, bin 18);
+    # node 5's parent (node 3) was not accepted: no trial
+    assert trials == {(0, 18): 1.0, (0, 6): 1.0, (1, 18): 1.0, (2, 18): 1.0}
+    assert hits == {(0, 18): 1.0, (1, 18): 1.0}
+
+
+def test_calibration_learns_an_overconfident_drafter(monkeypatch):
+    """Trees drawn from a known law: a node whose parent is accepted is accepted with probability q² at depth 1 and
+    q / 2 deeper (siblings exclusive). After many trees the table follows that law, not the drafter's q."""
+    monkeypatch.setattr(draft_calibration, "DECAY", 1.0)  # every tree counts: the law does not change here
+    rng = np.random.default_rng(0)
+    law = lambda d, q: q * q if d == 1 else q / 2  # noqa: E731
+    cal = Calibration()
+    for _ in range(6000):
+        parents = [0, 0, 1, 1, 2, 3]
+        depths = tree_depths(parents)[1:]
+        q = rng.uniform(0.05, 0.95, len(parents)) / np.array([1, 2, 1, 2, 1, 1])  # siblings' q sum below 1
+        accepted, frontier = [], {0}
+        for parent in (0, 1, 2, 3):  # at most one child of an accepted node is accepted
+            if parent not in frontier:
+                continue
+            kids = [i + 1 for i, p in enumerate(parents) if p == parent]
+            u = rng.random()
+            for k in kids:
+                p = law(depths[k - 1], q[k - 1])
+                if u < p:
+                    accepted.append(k)
+                    frontier.add(k)
+                    break
+                u -= p
+        cal.record(parents, depths, np.log(q), accepted)
+    centers = (np.arange(Q_BINS) + 0.5) / Q_BINS
+    seen = cal.trials > 200  # cells with enough trials that the law shows within the bound below
+    want = np.array([[law(d + 1, c) for c in centers] for d in range(cal.trials.shape[0])])
+    assert seen[0].sum() >= 15 and seen[1].sum() >= 8
+    assert np.abs(cal.table[seen] - want[seen]).max() < 0.08
+    assert (np.diff(cal.table, axis=1) >= -1e-12).all()  # non-decreasing in q at every depth
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_best_first_prefix_is_the_smaller_tree(seed):
-    """The premise of trimming: the first n nodes of a budget-N tree are exactly the budget-n tree."""
-    rng = np.random.default_rng(seed)
-    L, K, N = 7, 5, 40
-    logits = rng.normal(size=(L, 50)) * rng.uniform(0.5, 4)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    ids = np.argsort(-logp, axis=-1)[:, :K]
-    lps = np.take_along_axis(logp, ids, -1).astype(np.float32)
-    full = build_tree(ids, lps, N)
-    for n in range(N + 1):
-        small = build_tree(ids, lps, n)
-        assert small.tokens.tolist() == full.tokens[:n].tolist()
-        assert small.parents.tolist() == full.parents[:n].tolist()
-
-
-def test_node_acceptance_counts_and_prior():
-    acc, prior = NodeAcceptance(4), np.full(4, 0.5)
-    assert acc.rates(4, prior).tolist() == [0.5] * 4  # no observation: the prior
-    for _ in range(200):
-        acc.record(3, [1, 2], decay=1.0)  # nodes 1, 2 accepted, 3 not; node 4 never verified
-    r = acc.rates(4, prior)
-    assert r[0] == pytest.approx(1.0, abs=0.01) and r[1] == pytest.approx(1.0, abs=0.01)
-    # node 3: (0 + 2 * 0.5) / (200 + 2) with weight 202; node 4 (never verified: the prior 0.5, weight 2) rises
-    # above it: pooled into their weighted mean, which node 3's 200 observations dominate
-    assert r[2] == r[3] == pytest.approx((1.0 + 2 * 0.5) / 204)
-    acc.record(2, [3], decay=1.0)  # a node outside the verified ones is ignored
-    assert acc.hits[2] == 0
-
-
-def test_global_acceptance_starts_falling_and_follows_outcomes():
-    g = GlobalAcceptance(3)
-    assert g.rate.tolist() == pytest.approx([budget.START_RATE * budget.START_FALL ** i for i in range(3)])
-    for _ in range(3000):
-        g.record(2, [1])
-    assert g.rate[0] == pytest.approx(1.0, abs=0.01) and g.rate[1] == pytest.approx(0.0, abs=0.01)
-    assert g.rate[2] == pytest.approx(budget.START_RATE * budget.START_FALL ** 2)  # never verified
+def test_cut_renumbers_a_parent_closed_subset(seed):
+    rng = random.Random(seed)
+    parents = random_tree(rng, rng.randint(1, 8))
+    draft = Draft([100 + i for i in range(len(parents))], parents, [-0.1 * i for i in range(len(parents))])
+    keep = rng.choice(closed_subsets(parents))
+    small = cut(draft, np.array(keep, dtype=np.int64))
+    assert small.tokens == [100 + i - 1 for i in keep] and small.logprobs == [-0.1 * (i - 1) for i in keep]
+    new_of = {0: 0, **{old: new + 1 for new, old in enumerate(keep)}}
+    assert small.parents == [new_of[parents[i - 1]] for i in keep]
 
 
 def test_step_costs():
@@ -146,39 +197,65 @@ def test_step_costs():
     assert c.fixed == pytest.approx(1.0)
 
 
-def _draft(n: int) -> Draft:
-    return Draft(list(range(100, 100 + n)), list(range(n)))  # a chain: node i's parent is i - 1
+def chain(n: int, q: float = 0.9) -> Draft:
+    """A chain of n nodes (node i's parent is i - 1), each with the drafter's q."""
+    return Draft(list(range(100, 100 + n)), list(range(n)), [math.log(q)] * n)
 
 
-def test_adaptive_budget_trims_useless_nodes_and_explores():
-    """A drafter whose nodes are never accepted, rows that cost: the trees are cut to nothing, except on the
-    exploration steps, which verify every node."""
+def costly_rows(b: AdaptiveBudget, per_row: float, wait: float = 0.1) -> None:
+    for rows in (1, 2, 4, 8, 16):
+        b.costs.observe(rows=rows, verify_s=1.0 + rows * per_row, fixed_s=0.4, wait_s=wait)
+
+
+def test_a_confident_drafter_that_misses_is_cut_and_not_waited_for():
+    """Nodes the drafter is sure of that never land: within EXPLORE_EVERY steps they are not verified, and the drafter
+    is not waited for, except on the exploration steps."""
     b = AdaptiveBudget(max_nodes=8)
-    for rows in (1, 2, 4, 8, 16):  # a second row costs a quarter of a one-row step
-        b.costs.observe(rows=rows, verify_s=1.0 + rows * 0.5, fixed_s=0.4, wait_s=0.1)
-    kept = []
+    costly_rows(b, per_row=0.5, wait=1.0)
+    kept, waited = [], []
     for step in range(3 * EXPLORE_EVERY):
-        n = len(b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens)
+        waited.append(b.draft_pays([("s", 8)]))
+        n = len(b.trim({"s": chain(8, q=0.97)}, sessions=1, fixed_rows=1)["s"].tokens) if waited[-1] else 0
         kept.append(n)
         b.record("s", n, [0])  # only the root: nothing accepted
-    assert [kept[i] for i in range(0, len(kept), EXPLORE_EVERY)] == [8, 8, 8]
-    # after the first exploration period (the optimistic prior fades), most other steps verify nothing; some
-    # re-include a node as the session's old misses decay (SESSION_DECAY), and lose it again
-    rest = [n for i, n in enumerate(kept) if i % EXPLORE_EVERY and i > EXPLORE_EVERY]
-    assert rest.count(0) >= 0.6 * len(rest) and sum(rest) <= 0.2 * 8 * len(rest), kept
+    assert kept[0] == 7 and kept[EXPLORE_EVERY] == 0  # the first tree fills the 8-row bucket; a step later, nothing
+    assert all(n == 0 for n in kept[EXPLORE_EVERY:])
+    assert [i for i, w in enumerate(waited) if w and i >= EXPLORE_EVERY] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]
 
 
-def test_adaptive_budget_keeps_accepted_nodes():
-    """Every node accepted and rows nearly free: the whole tree is verified every step."""
+def test_accepted_nodes_are_kept_when_rows_are_cheap():
     b = AdaptiveBudget(max_nodes=8)
-    for rows in (1, 2, 4, 8, 16):
-        b.costs.observe(rows=rows, verify_s=1.0 + rows * 1e-3, fixed_s=0.4, wait_s=0.1)
+    costly_rows(b, per_row=1e-3)
     for step in range(40):
-        trimmed = b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"]
+        trimmed = b.trim({"s": chain(8, q=0.6)}, sessions=1, fixed_rows=1)["s"]
         assert len(trimmed.tokens) == 8 and trimmed.parents == list(range(8))
         b.record("s", 8, list(range(9)))
+    assert b.draft_pays([("s", 8)])
     b.forget("s")
     assert "s" not in b.sessions
+
+
+def test_each_tree_is_cut_by_its_own_confidence():
+    """Same session, same calibration, one step apart: a tree the drafter is sure of keeps more nodes than one it
+    doubts."""
+    b = AdaptiveBudget(max_nodes=8)
+    costly_rows(b, per_row=0.05)
+    sure = b.trim({"s": chain(8, q=0.98)}, sessions=1, fixed_rows=1)["s"]
+    doubt = b.trim({"s": chain(8, q=0.3)}, sessions=1, fixed_rows=1)["s"]
+    # doubt: a = 0.325, 0.106, 0.034 (q = 0.3 is bin [0.3, 0.35)); 3 nodes in the 4-row bucket give 1.465 tokens in
+    # 0.5 + 1.2 s = 0.862/s, against 1 node 1.325 / 1.6 = 0.828/s and 7 nodes 1.49 / 1.9 = 0.78/s
+    assert len(sure.tokens) == 7 and len(doubt.tokens) == 3
+
+
+def test_sampled_sessions_learn_their_own_calibration():
+    b = AdaptiveBudget(max_nodes=4)
+    costly_rows(b, per_row=0.5)
+    for _ in range(50):
+        n = len(b.trim({"t": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["t"].tokens)
+        b.record("t", n, [0], sampled=True)  # a sampled session's nodes never land
+    assert b.calibration[True].trials.sum() > 0 and b.calibration[False].trials.sum() == 0
+    assert len(b.trim({"t": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["t"].tokens) == 0
+    assert len(b.trim({"g": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["g"].tokens) == 3  # greedy: still the prior
 
 
 def test_fixed_cost_is_measured_between_back_to_back_steps():
@@ -191,55 +268,50 @@ def test_fixed_cost_is_measured_between_back_to_back_steps():
     assert b.costs.verify == {8: 2.0}
 
 
-def test_draft_pays_only_when_the_trees_return_their_wait():
-    """Root-only steps save the draft wait. A drafter whose nodes are never accepted is not waited for (except on
-    exploration steps); one whose nodes mostly are, is."""
+def test_draft_pays_weighs_expected_tokens_against_the_wait():
     b = AdaptiveBudget(max_nodes=8)
-    for rows in (1, 2, 4, 8):
-        b.costs.observe(rows=rows, verify_s=1.0 + 0.1 * rows, fixed_s=0.5, wait_s=1.0)
-    assert b.draft_pays([("s", 8)])  # step 0 of a session explores
-    for _ in range(30):
-        b.record("s", 8, [0])  # nothing accepted
-    b.sessions["s"].steps = 1  # not an exploration step
+    costly_rows(b, per_row=0.1, wait=1.0)
+    assert AdaptiveBudget(max_nodes=8).draft_pays([("u", 8)])  # nothing known yet
+    assert b.draft_pays([("s", 8)])  # a session's first step
+    st = b._state("s")
+    st.steps, st.tokens, st.rows = 1, 1.2, 1.0  # 1.2 tokens a drafted step of 2 rows
+    # drafting: 1.2 / (0.4 + 1.0 + 1.2) = 0.46 tokens/s; root-only 1 / (0.4 + 1.1) = 0.67
     assert not b.draft_pays([("s", 8)])
-    b.sessions["s"].steps = EXPLORE_EVERY
+    st.steps = EXPLORE_EVERY
+    assert b.draft_pays([("s", 8)])  # exploration
+    st.steps, st.tokens = 1, 3.0  # 3 / 2.6 = 1.15 tokens/s
     assert b.draft_pays([("s", 8)])
-    for _ in range(30):
-        b.record("t", 8, [0, 1, 2, 3, 4])  # four of eight accepted every step
-    b.sessions["t"].steps = 1
-    assert b.draft_pays([("t", 8)])
-    assert AdaptiveBudget(max_nodes=8).draft_pays([("u", 8)])  # no cost measured yet
 
 
-def test_plan_made_during_the_forward_is_what_the_next_step_uses():
-    """plan_next runs before the step's records (one step stale) and counts the step being recorded: an
-    exploration step planned this way is the one the direct decision would explore."""
+def test_the_plan_made_during_the_forward_serves_the_next_step_once():
+    """plan_next runs before the step's record and counts it: an exploration step planned this way is the one the
+    direct decision would explore."""
     b = AdaptiveBudget(max_nodes=8)
-    for rows in (1, 2, 4, 8, 16):  # a second row costs a quarter of a one-row step
-        b.costs.observe(rows=rows, verify_s=1.0 + rows * 0.5, fixed_s=0.4, wait_s=1.0)
-    for _ in range(EXPLORE_EVERY - 1):
-        b.record("s", 8, [0])  # nothing ever accepted
-    b.plan_next([("s", 8)])  # during the forward of the session's 16th verify step
-    b.record("s", 8, [0])
-    assert b.draft_pays([("s", 8)])  # the 17th step (verified steps 16) explores...
-    assert len(b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens) == 8  # ...with its whole tree
+    costly_rows(b, per_row=0.1, wait=1.0)
+    st = b._state("s")
+    st.steps, st.tokens, st.rows = EXPLORE_EVERY - 1, 1.0, 1.0  # drafting does not pay
+    b.plan_next([("s", 8)])  # during the forward of the session's 16th step
+    b.record("s", 0, [0])
+    assert b._plan is not None and b.draft_pays([("s", 8)])  # the 17th step (16 recorded) explores
+    assert b._plan is None  # a plan serves one step...
     b.plan_next([("s", 8)])
-    b.record("s", 8, [0])
-    assert not b.draft_pays([("s", 8)])  # the next one skips the drafter
-    assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []
-    assert b._plan is None  # a plan serves one step
-    b.sessions["s"].steps = 3
-    assert b.trim({"s": _draft(8)}, sessions=1, fixed_rows=1)["s"].tokens == []  # decided now, the same way
+    b.record("s", 0, [0])
+    assert not b.draft_pays([("s", 8)])
+    assert not b.draft_pays([("s", 8)])  # ...and without one the decision is made now, the same way
+    assert b.draft_pays([("s", 8), ("new", 8)])  # a session the plan did not cover: decided now (new: drafts)
 
 
-def test_with_only_the_whole_tree_measured_root_only_steps_get_tried():
-    """Pure DDTree traffic measures the whole tree's bucket first (the exploration step): smaller buckets are then
-    taken as cheap as their rows make them, so that a root-only step is tried (and measured) when nodes do not land."""
-    b = AdaptiveBudget(max_nodes=16)
-    b.costs.observe(rows=17, verify_s=4.0, fixed_s=0.5, wait_s=1.0)  # bucket 32 only
-    for _ in range(10):
-        b.record("s", 16, [0])  # nothing accepted
-    b.sessions["s"].steps = 3
-    assert not b.draft_pays([("s", 16)])
-    b.costs.observe(rows=1, verify_s=3.0, fixed_s=0.5)  # measured: a root-only step costs most of the whole tree
-    assert b.costs.step(1, drafting=False) == pytest.approx(0.5 + 3.0)
+@pytest.mark.parametrize("draft, problem", [
+    (Draft([1, 2], [0, 1]), None),  # no log-probs sent: accepted (the budget reads them as q = 1)
+    (Draft([1, 2], [0, 1], [-0.1, -2.0]), None),
+    (Draft([1, 2], [0, 1], [0.0, -0.0]), None),
+    (Draft([1, 2], [0, 1], [-0.1]), "2 tokens but 1 logprobs"),
+    (Draft([1, 2], [0, 1], [-0.1, 0.5]), "node 2 has logprob 0.5"),
+    (Draft([1, 2], [0, 1], [float("nan"), -1.0]), "node 1 has logprob nan"),
+    (Draft([1, 2], [0, 2]), "node 2 has parent 2"),
+])
+def test_tree_problem_names_what_is_wrong(draft, problem):
+    from verifier_service.drafting import tree_problem
+
+    got = tree_problem(draft, max_nodes=8, vocab_size=10)
+    assert got == problem if problem is None else got.startswith(problem)

@@ -32,6 +32,8 @@ def test_device_trees_equal_host_trees(tmp_path, mode, budget):
             assert h.tree.tokens.tolist() == k.tree.tokens.tolist()
             assert h.tree.parents.tolist() == k.tree.parents.tolist()
             assert h.tree.depths.tolist() == k.tree.depths.tolist()
+            # each node's log q at its depth; the kernel's log-sum-exp may differ from torch's in the last bits
+            assert h.tree.logprobs.tolist() == pytest.approx(k.tree.logprobs.tolist(), abs=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,6 +90,7 @@ def test_graph_replay_equals_eager(tmp_path):
             assert e.cache_len == r.cache_len
             assert e.tree.tokens.tolist() == r.tree.tokens.tolist(), step
             assert e.tree.parents.tolist() == r.tree.parents.tolist(), step
+            assert e.tree.logprobs.tolist() == r.tree.logprobs.tolist(), step  # through the packed int64 copy
     graphs = engines[True].graphs
     assert set(graphs.inject_graphs) == {1, 4, 8, 16, 64} and graphs.block_graphs  # the graphs did run
     assert set(graphs.tree_graphs) == {(b, 16, 16) for b in (1, 2, 4, 8)}  # trees of batches 1, 2, 3-4, 5

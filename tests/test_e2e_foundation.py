@@ -108,7 +108,13 @@ def test_malformed_requests_get_invalid_argument(served):
     outcomes = [r.WhichOneof("outcome") for r in resp.results]
     assert outcomes == ["error", "tree", "error"], resp
     assert resp.results[0].error.field == "features" and resp.results[2].error.field == "features"
-    assert len(resp.results[1].tree.tokens) == 8
+    tree = resp.results[1].tree
+    assert len(tree.tokens) == 8 and len(tree.logprobs) == 8 and all(lp <= 0.0 for lp in tree.logprobs)
+    # a node's path score never beats its parent's: the best-first order of log-prob sums
+    score = [0.0]
+    for p, lp in zip(tree.parents, tree.logprobs):
+        score.append(score[p] + lp)
+    assert all(score[i + 1] <= score[p] for i, p in enumerate(tree.parents))
     served.drafter.Release(dpb.ReleaseRequest(session_id="foundation-good"), timeout=5)
     # The same items on one ProposeStream: per-item errors, and the stream goes on answering.
     good_stream = item("foundation-stream", torch.randn(3, width, dtype=torch.bfloat16))

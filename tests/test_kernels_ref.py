@@ -95,12 +95,18 @@ def test_ddtree_refs_match_drafter_tree():
         ids, lps = ddtree_topk_ref(logits, k)
         want_ids, want_lps = topk_logprobs(logits, k)
         assert ids.tolist() == want_ids.tolist() and torch.allclose(lps, torch.from_numpy(want_lps))
-        tokens, parents, depths, count = ddtree_tree_ref(ids, lps, budget)
+        tokens, parents, depths, logprobs, count = ddtree_tree_ref(ids, lps, budget)
+        full = torch.log_softmax(logits, dim=-1)
         for s in range(S):
             tree = build_tree(ids[s].numpy(), lps[s].numpy(), budget)
             n = int(count[s])
             assert n == len(tree) and tokens[s, :n].tolist() == tree.tokens.tolist()
             assert parents[s, :n].tolist() == tree.parents.tolist() and depths[s, :n].tolist() == tree.depths.tolist()
+            # each node's log q at its depth, from the logits themselves
+            want = full[s, depths[s, :n].long() - 1, tokens[s, :n]]
+            assert torch.allclose(logprobs[s, :n], want, atol=1e-5)
+            assert logprobs[s, :n].tolist() == tree.logprobs.tolist()
+            assert (logprobs[s, n:] == 0).all()
 
 
 def test_moe_gate_ref_matches_model_route():

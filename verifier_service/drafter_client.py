@@ -54,6 +54,7 @@ class DraftRequest:
 class Draft:
     tokens: list[int]
     parents: list[int]
+    logprobs: list[float] = field(default_factory=list)  # log q of each node's token at its depth; [] if not sent
 
 
 @dataclass
@@ -252,8 +253,8 @@ def _answers(resp: dpb.ProposeResponse) -> dict[str, object]:
     out: dict[str, object] = {}
     for res in resp.results:
         kind = res.WhichOneof("outcome")
-        out[res.session_id] = Draft(list(res.tree.tokens), list(res.tree.parents)) if kind == "tree" \
-            else getattr(res, kind)
+        out[res.session_id] = Draft(list(res.tree.tokens), list(res.tree.parents), list(res.tree.logprobs)) \
+            if kind == "tree" else getattr(res, kind)
     return out
 
 

@@ -151,4 +151,9 @@ def tree_problem(d: Draft, max_nodes: int, vocab_size: int) -> str | None:
     bad = next((t for t in d.tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"token {bad} outside [0, {vocab_size})"
+    if d.logprobs and len(d.logprobs) != len(d.tokens):
+        return f"{len(d.tokens)} tokens but {len(d.logprobs)} logprobs"
+    bad = next((i for i, lp in enumerate(d.logprobs) if not lp <= 0.0), None)  # NaN fails too
+    if bad is not None:
+        return f"node {bad + 1} has logprob {d.logprobs[bad]}, not a log-probability"
     return None

@@ -345,7 +345,7 @@ class Engine:
             keep.append((s, position, [job["rows"].start + r for r in walk.accepted_rows]))
         drafted = len(job["tokens"])
         if self.budget is not None and s.params.mode != AR:
-            self.budget.record(s.id, drafted, walk.accepted_rows)
+            self.budget.record(s.id, drafted, walk.accepted_rows, sampled=not s.params.greedy)
         s.stats.record(len(walk.accepted_rows) - 1, drafted, unavailable=not job["drafted"])
         metrics.observe_acceptance(len(walk.accepted_rows), drafted)
         emits.append((s, walk.tokens, logprobs, top_logprobs(out.logits[lr], walk.accepted_rows,

@@ -1,0 +1,68 @@
+"""`ddtree bench budget` (tools/budget_replay.py): the recorded trees and the replay against decoding itself, with the
+shipped trained tiny pair on CPU."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools import budget_replay
+from tools.budget_replay import COST_TABLES, Adaptive, Fixed, matched_nodes, record, replay
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "kimi-tiny"
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matched_nodes_are_the_paths_that_spell_the_text(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    parents = [rng.randrange(i + 1) for i in range(n)]
+    tokens = [rng.randrange(3) for _ in range(n)]
+    following = [rng.randrange(3) for _ in range(rng.randint(0, 6))]
+    got = matched_nodes(np.array(tokens), np.array(parents), following)
+    for i in range(1, n + 1):
+        path, node = [], i
+        while node:
+            path.append(tokens[node - 1])
+            node = parents[node - 1]
+        assert got[i - 1] == (path[::-1] == following[:len(path)])
+
+
+@pytest.fixture(scope="module")
+def pair_and_prompt():
+    from gateway.tokenizer import KimiTokenizer
+    from tools.spec_inprocess import InProcessPair
+
+    return InProcessPair(MODEL, device="cpu"), KimiTokenizer.from_dir(MODEL).encode(PROMPT)
+
+
+def test_replaying_a_fixed_budget_is_decoding_with_it(pair_and_prompt):
+    """The recorded continuation is plain greedy decoding's, and replaying a fixed budget takes the steps that
+    DDTree decoding with that budget takes (the target's output does not depend on the trees)."""
+    pair, prompt = pair_and_prompt
+    trace = record(pair, prompt, 40, 16)
+    assert trace.emitted == pair.generate(prompt, 40, "ar").tokens
+    assert len(trace.positions) == 39 and sum(p.matched.sum() for p in trace.positions) > 39  # the drafter helps
+    table = COST_TABLES["k26-model"]
+    for n in (4, 16):
+        decoded = pair.generate(prompt, 40, "ddtree", budget=n)
+        replayed = replay([trace], Fixed(n), table)
+        assert replayed["steps"] == decoded.steps and replayed["tokens"] == 39
+    adaptive = replay([trace], Adaptive(16, table), table)
+    assert adaptive["tokens"] == 39 and adaptive["rows_per_step"] <= 17
+
+
+def test_traces_round_trip_through_json(pair_and_prompt, tmp_path):
+    pair, prompt = pair_and_prompt
+    traces = [record(pair, prompt, 12, 8)]
+    path = tmp_path / "t.json"
+    path.write_text(budget_replay.json.dumps([budget_replay._trace_to(t) for t in traces]))
+    args = budget_replay.configure(budget_replay.argparse.ArgumentParser()).parse_args(["--trace", str(path)])
+    back = budget_replay.load_or_record(args)
+    for a, b in zip(traces[0].positions, back[0].positions):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert a.logprobs.tolist() == b.logprobs.tolist() and a.matched.tolist() == b.matched.tolist()
