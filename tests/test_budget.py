@@ -208,19 +208,22 @@ def costly_rows(b: AdaptiveBudget, per_row: float, wait: float = 0.1) -> None:
 
 
 def test_a_confident_drafter_that_misses_is_cut_and_not_waited_for():
-    """Nodes the drafter is sure of that never land: within EXPLORE_EVERY steps they are not verified, and the drafter
-    is not waited for, except on the exploration steps."""
+    """Nodes the drafter is sure of that never land: soon they are not verified, and the drafter is waited for ever
+    less often, then after every 16 root-only steps."""
     b = AdaptiveBudget(max_nodes=8)
     costly_rows(b, per_row=0.5, wait=1.0)
     kept, waited = [], []
-    for step in range(3 * EXPLORE_EVERY):
+    for step in range(6 * EXPLORE_EVERY):
         waited.append(b.draft_pays([("s", 8)]))
         n = len(b.trim({"s": chain(8, q=0.97)}, sessions=1, fixed_rows=1)["s"].tokens) if waited[-1] else 0
         kept.append(n)
         b.record("s", n, [0])  # only the root: nothing accepted
-    assert kept[0] == 7 and kept[EXPLORE_EVERY] == 0  # the first tree fills the 8-row bucket; a step later, nothing
-    assert all(n == 0 for n in kept[EXPLORE_EVERY:])
-    assert [i for i, w in enumerate(waited) if w and i >= EXPLORE_EVERY] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]
+    assert kept[0] == 7 and all(n == 0 for n in kept[2 * EXPLORE_EVERY:])  # the first tree fills the 8-row bucket
+    first_skip = waited.index(False)
+    assert first_skip <= EXPLORE_EVERY
+    gaps = np.diff([i for i, w in enumerate(waited) if w and i > first_skip]).tolist()
+    # the waits come further apart (2, 4, 8, 16 root-only steps between them), then every 16
+    assert gaps == sorted(gaps) and gaps[-3:] == [EXPLORE_EVERY + 1] * 3, waited
 
 
 def test_accepted_nodes_are_kept_when_rows_are_cheap():
@@ -274,44 +277,30 @@ def test_draft_pays_weighs_expected_tokens_against_the_wait():
     assert AdaptiveBudget(max_nodes=8).draft_pays([("u", 8)])  # nothing known yet
     assert b.draft_pays([("s", 8)])  # a session's first step
     st = b._state("s")
-    st.steps, st.tokens, st.rows = 1, 1.2, 1.0  # 1.2 tokens a drafted step of 2 rows
+    st.tokens, st.rows = 1.2, 1.0  # 1.2 tokens a drafted step of 2 rows
     # drafting: 1.2 / (0.4 + 1.0 + 1.2) = 0.46 tokens/s; root-only 1 / (0.4 + 1.1) = 0.67
     assert not b.draft_pays([("s", 8)])
-    st.steps = EXPLORE_EVERY
+    st.idle = st.gap
     assert b.draft_pays([("s", 8)])  # exploration
-    st.steps, st.tokens = 1, 3.0  # 3 / 2.6 = 1.15 tokens/s
+    st.idle, st.tokens = 0, 3.0  # 3 / 2.6 = 1.15 tokens/s
     assert b.draft_pays([("s", 8)])
 
 
 def test_the_plan_made_during_the_forward_serves_the_next_step_once():
-    """plan_next runs before the step's record and counts it: an exploration step planned this way is the one the
-    direct decision would explore."""
+    """plan_next runs before the step's record and counts it: after a root-only step one more idle step, after a
+    drafted one none."""
     b = AdaptiveBudget(max_nodes=8)
     costly_rows(b, per_row=0.1, wait=1.0)
     st = b._state("s")
-    st.steps, st.tokens, st.rows = EXPLORE_EVERY - 1, 1.0, 1.0  # drafting does not pay
-    b.plan_next([("s", 8)])  # during the forward of the session's 16th step
+    st.tokens, st.rows, st.idle, st.gap = 1.0, 1.0, 3, 4  # drafting does not pay; due to explore after 4 idle
+    b.plan_next([("s", 8)])  # during the forward of a root-only step (the session's 4th idle one)
     b.record("s", 0, [0])
-    assert b._plan is not None and b.draft_pays([("s", 8)])  # the 17th step (16 recorded) explores
-    assert b._plan is None  # a plan serves one step...
+    assert b._plan is not None and b.draft_pays([("s", 8)])  # explores
+    assert b._plan is None  # a plan serves one step
+    b.trim({"s": chain(8, q=0.01)}, sessions=1, fixed_rows=1)  # the exploring step drafts a tree of little use
     b.plan_next([("s", 8)])
     b.record("s", 0, [0])
+    assert st.idle == 0 and st.gap == 8  # it did not pay: the next wait comes after 8 root-only steps
     assert not b.draft_pays([("s", 8)])
-    assert not b.draft_pays([("s", 8)])  # ...and without one the decision is made now, the same way
+    assert not b.draft_pays([("s", 8)])  # without a plan the decision is made now, the same way
     assert b.draft_pays([("s", 8), ("new", 8)])  # a session the plan did not cover: decided now (new: drafts)
-
-
-@pytest.mark.parametrize("draft, problem", [
-    (Draft([1, 2], [0, 1]), None),  # no log-probs sent: accepted (the budget reads them as q = 1)
-    (Draft([1, 2], [0, 1], [-0.1, -2.0]), None),
-    (Draft([1, 2], [0, 1], [0.0, -0.0]), None),
-    (Draft([1, 2], [0, 1], [-0.1]), "2 tokens but 1 logprobs"),
-    (Draft([1, 2], [0, 1], [-0.1, 0.5]), "node 2 has logprob 0.5"),
-    (Draft([1, 2], [0, 1], [float("nan"), -1.0]), "node 1 has logprob nan"),
-    (Draft([1, 2], [0, 2]), "node 2 has parent 2"),
-])
-def test_tree_problem_names_what_is_wrong(draft, problem):
-    from verifier_service.drafting import tree_problem
-
-    got = tree_problem(draft, max_nodes=8, vocab_size=10)
-    assert got == problem if problem is None else got.startswith(problem)

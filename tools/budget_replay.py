@@ -31,6 +31,8 @@ COST_TABLES = {
     "k26-model": {"verify": {1: 4.752, 8: 5.871, 16: 7.011, 32: 9.081, 64: 12.694}, "wait": 3.4, "fixed": 0.3},
     "k26-uniform": {"verify": {1: 4.684, 8: 9.536, 16: 12.828, 32: 18.764, 64: 26.346}, "wait": 3.4,
                     "fixed": 0.3},
+    # 4 full-dimension layers and their drafter on one GPU (tools/fullscale_run, session 26): a short wait
+    "k26-4layers": {"verify": {1: 1.909, 16: 2.001}, "wait": 0.6, "fixed": 0.65},
 }
 
 

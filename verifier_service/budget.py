@@ -18,13 +18,13 @@ one-row step. What a node is worth depends on the drafter, the text and the step
   `choose` scans m. One session: its own tokens per second, the per-stream latency users see.
 - Before sending the next step's Proposes, `draft_pays` weighs the tokens and rows the sessions' recent trees were
   expected to give against root-only steps, which skip W: a drafter that is of no use on the current text (on K2.6
-  its Propose takes ~3 ms, a one-row verify ~5) is not waited for, and the step is plain decoding. Every
-  EXPLORE_EVERY-th step of a session waits for its tree whatever the estimate, so a drafter that becomes useful again
-  is seen.
+  its Propose takes ~3 ms, a one-row verify ~5) is not waited for, and the step is plain decoding. After 2 such steps
+  a session waits for a tree again whatever the estimate, so a drafter that becomes useful again is seen soon; while
+  those trees still do not pay, the next wait comes after 4, 8, then 16 root-only steps.
 
-Replayed on recorded trees of the trained tiny pair against K2.6's measured step times (tools/budget_replay.py,
-docs/BENCHMARKS.md), this per-step confidence gives 8-23 % more tokens per second than weighing each node by how
-often its rank was accepted (the previous estimator), and beats every fixed budget. A row bucket whose verify time
+Replayed on recorded trees of the trained tiny pair against K2.6's measured step times (`ddtree bench budget`,
+docs/BENCHMARKS.md), this per-tree confidence gives more tokens per second than weighing each node by how often its
+rank was accepted (the previous estimator) and than every fixed budget. A row bucket whose verify time
 has not been seen yet is interpolated between the measured ones, and outside them taken in proportion to its rows:
 optimistic below (so that a smaller bucket gets tried, and measured), pessimistic above.
 """
@@ -44,10 +44,11 @@ from verifier_service.graphs import BUCKETS
 COST_RATE = 0.2  # EMA step of the measured step costs
 VALUE_RATE = 0.2  # EMA step of a session's expected tokens and rows per drafted step
 BACK_TO_BACK_S = 0.05  # a step that starts within this of the previous one's end continues its cycle
-EXPLORE_EVERY = 16  # a session's steps 0, 16, 32, ... wait for its tree whatever the estimate
+EXPLORE_FIRST, EXPLORE_EVERY = 2, 16  # root-only steps before a session waits for its tree again whatever the estimate:
+# 2 after a drafted step, doubling while the trees it then waits for still do not pay, up to 16
 MARGIN = 0.03  # fewer nodes only when that is this much better: the estimates are noisy, a row bucket's time too
-SKIP_MARGIN = 0.2  # root-only steps only when they are this much better than drafting (replayed: 0.1 skips useful
-# drafts on text where a calibrated tree is expected to just pay; 0.3 costs a useless drafter more)
+SKIP_MARGIN = 0.1  # root-only steps only when they are this much better than drafting (replayed: 0.03 skips useful
+# drafts on text where a cut tree is expected just to pay; 0.2 keeps waiting for a useless drafter whose wait is short)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -141,11 +142,20 @@ def cut(draft, nodes: np.ndarray):
 
 @dataclass
 class _SessionState:
-    steps: int = 0  # steps recorded (drafted or not)
+    idle: int = 0  # root-only steps since its last drafted one
+    gap: int = EXPLORE_FIRST  # root-only steps after which it waits for a tree again
     sampled: bool = False  # its acceptance is drawn (temperature > 0): it learns and reads that calibration
     tokens: float | None = None  # expected tokens of its drafted steps (EMA), 1 for the root included
     rows: float = 0.0  # nodes its drafted steps kept (EMA)
     verified: object = None  # the draft its step verifies (after `trim`), until `record`
+
+
+def _idle(state: _SessionState, ahead: int) -> int:
+    """Root-only steps since the session last waited for a tree, at the next step; ahead: 1 when deciding during a
+    step's forward, before its record (a step that drafted has `verified` set by `trim`)."""
+    if not ahead:
+        return state.idle
+    return 0 if state.verified is not None else state.idle + 1
 
 
 class AdaptiveBudget:
@@ -200,8 +210,11 @@ class AdaptiveBudget:
 
     def _decide(self, sessions: list[tuple[str, int]], ahead: int) -> bool:
         states = [self._state(sid) for sid, _ in sessions]
-        if not states or any(st.tokens is None or (st.steps + ahead) % EXPLORE_EVERY == 0 for st in states):
+        if not states or any(st.tokens is None or _idle(st, ahead) >= st.gap for st in states):
             return True
+        return self._pays(states)
+
+    def _pays(self, states: list[_SessionState]) -> bool:
         fixed = len(states)
         drafting = self.costs.step(fixed + round(sum(st.rows for st in states)))
         root_only = self.costs.step(fixed, drafting=False)
@@ -213,10 +226,14 @@ class AdaptiveBudget:
         """After a session's walk: it verified `verified` nodes (those `trim` kept; 0 in a root-only step),
         accepted_rows = [0 (root), its accepted nodes]; sampled: its walk drew the target's tokens."""
         state = self._state(sid)
-        state.steps += 1
         state.sampled = sampled
         draft, state.verified = state.verified, None
-        if draft is not None and verified and len(draft.tokens) == verified:
+        if draft is None:  # a root-only step
+            state.idle += 1
+            return
+        # it waited for a tree: if trees like it still do not pay, the next wait comes later
+        state.idle, state.gap = 0, EXPLORE_FIRST if self._pays([state]) else min(2 * state.gap, EXPLORE_EVERY)
+        if verified and len(draft.tokens) == verified:
             logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(verified)
             self.calibration[sampled].record(draft.parents, tree_depths(draft.parents)[1:], logprobs,
                                              accepted_rows[1:])
