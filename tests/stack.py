@@ -210,12 +210,16 @@ class Stack:
         p.start()
         wait_serving(p, service, watch=self.live_procs)
 
-    def add_verifier(self, *extra: str, drafters: Sequence[str] | None = None, wait: bool = True) -> Proc:
+    def add_verifier(self, *extra: str, drafters: Sequence[str] | None = None, wait: bool = True,
+                     adaptive: bool = False) -> Proc:
+        """adaptive: the verifier's --adaptive-tree-budget. Off unless asked for: the test checkpoint's random drafter
+        is of no use, so the budget would cut its trees to nothing, and the suites check that trees are verified."""
         addrs = [d.address for d in self.drafters] if drafters is None else list(drafters)
         # DDTREE_TEST_DEVICE=cuda runs the stacks' verifiers on the GPU (the end-to-end suites on a GPU machine)
         device = ["--device", os.environ["DDTREE_TEST_DEVICE"]] if os.environ.get("DDTREE_TEST_DEVICE") else []
         args = ["--model", str(self.model), "--kv-cache-mb", "8", "--max-context", "512", "--page-size", "16",
-                "--max-new-tokens-limit", "256", *device, *[a for d in addrs for a in ("--drafter", d)], *extra]
+                "--max-new-tokens-limit", "256", "--adaptive-tree-budget", str(adaptive).lower(), *device,
+                *[a for d in addrs for a in ("--drafter", d)], *extra]
         self.verifier = self._proc("verifier", "verifier", args).start()
         if wait:
             wait_serving(self.verifier, VERIFIER, watch=self.live_procs)

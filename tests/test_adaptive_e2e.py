@@ -20,7 +20,7 @@ N = 96
 def trained(request, tmp_path_factory):
     with new_stack(request, MODEL, tmp_path_factory) as st:
         st.add_drafter(wait=False)
-        st.add_verifier()  # --adaptive-tree-budget is on by default
+        st.add_verifier(adaptive=True)
         st.add_gateway()
         yield st
 

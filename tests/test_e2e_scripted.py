@@ -29,9 +29,10 @@ def scripted(request, tiny_ckpt, tmp_path_factory):
     try:
         with new_stack(request, tiny_ckpt, tmp_path_factory) as st:
             # A short feature window: resyncs resend rows from s - 16, not from 0.
-            # The scripted trees plan each step's accepted length: every node is verified (no adaptive budget).
-            st.add_verifier("--feature-window", "16", "--draft-deadline-ms", "1000", "--adaptive-tree-budget", "false",
-                            drafters=[server.address], wait=False)
+            # The scripted trees plan each step's accepted length: every node is verified (no adaptive budget, the
+            # stack's default).
+            st.add_verifier("--feature-window", "16", "--draft-deadline-ms", "1000", drafters=[server.address],
+                            wait=False)
             st.add_gateway()
             yield st, drafter
     finally:

@@ -19,9 +19,7 @@ N = 64
 def stack(request, tiny_ckpt, tmp_path_factory):
     with new_stack(request, tiny_ckpt, tmp_path_factory) as st:
         st.add_drafter(wait=False)
-        # every drafted node verified: the random drafter's trees would be cut to nothing by the adaptive budget
-        # (tests/test_adaptive_e2e.py serves it with a trained pair)
-        st.add_verifier("--prefill-chunk", "32", "--adaptive-tree-budget", "false", wait=False)
+        st.add_verifier("--prefill-chunk", "32", wait=False)
         st.add_gateway("--max-message-mb", "1")
         yield st
 

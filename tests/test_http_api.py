@@ -31,7 +31,7 @@ def stack(request, tiny_ckpt, tmp_path_factory):
         st.http_port = free_port()
         st.add_drafter(wait=False)
         st.verifier_metrics = free_port()
-        st.add_verifier("--metrics-port", str(st.verifier_metrics), wait=False)
+        st.add_verifier("--metrics-port", str(st.verifier_metrics), wait=False, adaptive=True)
         st.add_gateway("--http-port", str(st.http_port), "--api-key", KEY)
         yield st
 

@@ -252,6 +252,9 @@ def run_row(size: int, depth: int, outs: list, wall_s: float, delta: dict[str, f
         "tree_size": size, "tree_budget": size - 1, "name": "ar" if size == 1 else f"ddtree-{size - 1}",
         "force_depth": depth, "streams": len(outs), "tokens": tokens, "steps": steps,
         "tau": round(1 + accepted / drafts, 3) if drafts else None,
+        # the adaptive budget: steps that did not wait for a tree, and the nodes a step verified
+        "skipped": round(delta.get("ddtree_draft_skipped_steps_total", 0.0) / steps, 3) if steps else None,
+        "nodes": round(delta.get("ddtree_spec_decode_num_draft_tokens_total", 0.0) / steps, 2) if steps else None,
         "verify_ms": verify, "draft_ms": draft, "accept_ms": accept,
         "engine_step_ms": round(sum(x or 0.0 for x in (verify, draft, accept)), 3),
         "client_step_ms": round(decode_s / steps * 1e3, 3) if steps else None,
@@ -271,7 +274,8 @@ def measure(stub, args, ports: dict[str, int], size: int, depth: int, seconds: f
     outs, wall_s = stream_for(stub, args, size, seconds, f"{args.seed}/{size}/{depth}")
     after = _metric_sums(ports["metrics"])
     row = run_row(size, depth, outs, wall_s, {k: v - before.get(k, 0.0) for k, v in after.items()})
-    print(f"N={size:>4} depth={depth}: τ {row['tau']}  verify {row['verify_ms']} ms  draft {row['draft_ms']} ms  "
+    print(f"N={size:>4} depth={depth}: τ {row['tau']}  nodes {row['nodes']}  skipped {row['skipped']}  "
+          f"verify {row['verify_ms']} ms  draft {row['draft_ms']} ms  "
           f"accept {row['accept_ms']} ms  client step {row['client_step_ms']} ms  {row['tok_s']} tok/s  "
           f"(steady {row['client_step_steady_ms']} ms, {row['tok_s_steady']} tok/s; {row['streams']} streams)",
           flush=True)
