@@ -217,6 +217,7 @@ def test_a_confident_drafter_that_misses_is_cut_and_not_waited_for():
         waited.append(b.draft_pays([("s", 8)]))
         n = len(b.trim({"s": chain(8, q=0.97)}, sessions=1, fixed_rows=1)["s"].tokens) if waited[-1] else 0
         kept.append(n)
+        b.plan_next([("s", 8)])  # during the forward: learns from the trees recorded so far
         b.record("s", n, [0])  # only the root: nothing accepted
     assert kept[0] == 7 and all(n == 0 for n in kept[2 * EXPLORE_EVERY:])  # the first tree fills the 8-row bucket
     first_skip = waited.index(False)
@@ -256,6 +257,7 @@ def test_sampled_sessions_learn_their_own_calibration():
     for _ in range(50):
         n = len(b.trim({"t": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["t"].tokens)
         b.record("t", n, [0], sampled=True)  # a sampled session's nodes never land
+        b.learn()
     assert b.calibration[True].trials.sum() > 0 and b.calibration[False].trials.sum() == 0
     assert len(b.trim({"t": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["t"].tokens) == 0
     assert len(b.trim({"g": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["g"].tokens) == 3  # greedy: still the prior

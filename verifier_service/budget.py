@@ -168,6 +168,7 @@ class AdaptiveBudget:
         self.calibration = {False: Calibration(), True: Calibration()}  # greedy, sampled
         self.sessions: dict[str, _SessionState] = {}
         self._plan: tuple[frozenset, bool] | None = None  # plan_next's (sessions, draft?)
+        self._verified: list[tuple] = []  # (sampled, draft, accepted nodes) recorded, learned during the next forward
         # the last step: start, end, rows, verify seconds, draft wait (None: nothing drafted)
         self._last: tuple[float, float, int, float, float | None] | None = None
 
@@ -195,8 +196,20 @@ class AdaptiveBudget:
 
     def plan_next(self, sessions: list[tuple[str, int]]) -> None:
         """During a step's forward (the host is idle): whether the next step waits for these decoding sessions'
-        trees ((id, most nodes its tree may have)), counting the step being recorded as done."""
+        trees ((id, most nodes its tree may have)), counting the step being recorded as done. Also learns from the
+        trees verified until the last step, so that neither `record` nor the next `trim` does it on the critical
+        path (the next step's cut is one step stale)."""
         self._plan = (frozenset(sid for sid, _ in sessions), self._decide(sessions, ahead=1))
+        self.learn()
+
+    def learn(self) -> None:
+        """The recorded trees into the calibrations, and their tables recomputed."""
+        verified, self._verified = self._verified, []
+        for sampled, draft, accepted in verified:
+            logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(len(draft.tokens))
+            self.calibration[sampled].record(draft.parents, tree_depths(draft.parents)[1:], logprobs, accepted)
+        for cal in self.calibration.values():
+            cal.table  # noqa: B018 - computed now, while the GPU works
 
     def draft_pays(self, sessions: list[tuple[str, int]]) -> bool:
         """Whether the next step should wait for trees for these decoding sessions ((id, most nodes its tree may
@@ -234,9 +247,7 @@ class AdaptiveBudget:
         # it waited for a tree: if trees like it still do not pay, the next wait comes later
         state.idle, state.gap = 0, EXPLORE_FIRST if self._pays([state]) else min(2 * state.gap, EXPLORE_EVERY)
         if verified and len(draft.tokens) == verified:
-            logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(verified)
-            self.calibration[sampled].record(draft.parents, tree_depths(draft.parents)[1:], logprobs,
-                                             accepted_rows[1:])
+            self._verified.append((sampled, draft, accepted_rows[1:]))
 
     def _state(self, sid: str) -> _SessionState:
         state = self.sessions.get(sid)
