@@ -32,6 +32,7 @@ optimistic below (so that a smaller bucket gets tried, and measured), pessimisti
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -96,23 +97,20 @@ def _ema(old: float | None, new: float, rate: float = COST_RATE) -> float:
     return new if old is None else old + rate * (new - old)
 
 
-def choose(rates: list[np.ndarray], fixed_rows: int, base_tokens: int, step_s) -> list[np.ndarray] | None:
+def choose(rates: list[list[float]], fixed_rows: int, base_tokens: float, step_s) -> list[list[int]] | None:
     """Nodes to keep per session: rates[s] = session s's node acceptance estimates in node order (a child's at most
     its parent's), fixed_rows = rows the step has anyway (every decoding session's root, prefill chunks),
     base_tokens = tokens it yields with no node (one per decoding session), step_s(rows) -> expected seconds or None.
     Returns each session's kept nodes (1-based, ascending; closed under parents: equal rates keep node order), the
     choice that maximizes expected tokens per second, preferring more nodes unless fewer are MARGIN better; None when
     a cost is unknown (verify everything then). A node never accepted is never worth a row. Within a row bucket the
-    cost is flat and every further node adds tokens, so only each bucket's fullest total is a candidate."""
-    flat = np.concatenate(rates) if rates else np.zeros(0)
-    owner = np.repeat(np.arange(len(rates)), [len(r) for r in rates])  # session of each node
-    node = np.concatenate([np.arange(1, len(r) + 1) for r in rates]) if rates else np.zeros(0, dtype=np.int64)
-    useful = flat > 0
-    flat, owner, node = flat[useful], owner[useful], node[useful]
-    order = np.argsort(-flat, kind="stable")  # largest first; equal ones in session, then node order
-    gain = np.concatenate([[0.0], np.cumsum(flat[order])])  # tokens from the m best nodes
-    totals, b = {0, len(order)}, row_bucket(max(fixed_rows, 1))
-    while b - fixed_rows < len(order):
+    cost is flat and every further node adds tokens, so only each bucket's fullest total is a candidate. Plain Python:
+    on the step's critical path, and a few dozen numbers (numpy's per-call cost was most of it)."""
+    flat = [(-r, s, i) for s, rs in enumerate(rates) for i, r in enumerate(rs, 1) if r > 0]
+    flat.sort()  # largest first; equal ones in session, then node order
+    gain = [0.0, *itertools.accumulate(-r for r, _, _ in flat)]  # tokens from the m best nodes
+    totals, b = {0, len(flat)}, row_bucket(max(fixed_rows, 1))
+    while b - fixed_rows < len(flat):
         totals.add(max(b - fixed_rows, 0))
         b = row_bucket(b + 1)
     best_m, best_value = 0, -math.inf
@@ -123,21 +121,21 @@ def choose(rates: list[np.ndarray], fixed_rows: int, base_tokens: int, step_s) -
         value = (base_tokens + gain[m]) / cost
         if value > best_value * (1 + MARGIN):
             best_m, best_value = m, value
-    chosen = order[:best_m]
-    return [np.sort(node[chosen[owner[chosen] == s]]) for s in range(len(rates))]
+    kept: list[list[int]] = [[] for _ in rates]
+    for _, s, i in flat[:best_m]:
+        kept[s].append(i)
+    return [sorted(k) for k in kept]
 
 
-def cut(draft, nodes: np.ndarray):
+def cut(draft, nodes: list[int]):
     """The draft's tree restricted to `nodes` (1-based, ascending, closed under parents), renumbered in order."""
     from verifier_service.drafter_client import Draft
 
     if len(nodes) == len(draft.tokens):
         return draft
-    new = np.zeros(len(draft.tokens) + 1, dtype=np.int64)  # old node -> new node (root 0 -> 0)
-    new[nodes] = np.arange(1, len(nodes) + 1)
-    idx = (nodes - 1).tolist()
-    return Draft([draft.tokens[i] for i in idx], new[[draft.parents[i] for i in idx]].tolist(),
-                 [draft.logprobs[i] for i in idx] if draft.logprobs else [])
+    new = {0: 0, **{old: i for i, old in enumerate(nodes, 1)}}  # old node -> new node
+    return Draft([draft.tokens[i - 1] for i in nodes], [new[draft.parents[i - 1]] for i in nodes],
+                 [draft.logprobs[i - 1] for i in nodes] if draft.logprobs else [])
 
 
 @dataclass
@@ -180,15 +178,15 @@ class AdaptiveBudget:
         chosen = choose(rates, fixed_rows, float(sessions), self.costs.step)
         out = {}
         for i, sid in enumerate(ids):
-            nodes = chosen[i] if chosen is not None else np.arange(1, len(rates[i]) + 1)
+            nodes = chosen[i] if chosen is not None else list(range(1, len(rates[i]) + 1))
             out[sid] = cut(drafts[sid], nodes)
             state = self._state(sid)
             state.verified = out[sid]
-            state.tokens = _ema(state.tokens, 1.0 + float(rates[i][nodes - 1].sum()), VALUE_RATE)
+            state.tokens = _ema(state.tokens, 1.0 + sum(rates[i][k - 1] for k in nodes), VALUE_RATE)
             state.rows = _ema(state.rows, float(len(nodes)), VALUE_RATE)
         return out
 
-    def _rates(self, sid: str, draft) -> np.ndarray:
+    def _rates(self, sid: str, draft) -> list[float]:
         state = self._state(sid)
         n = len(draft.tokens)
         logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(n)

@@ -42,13 +42,13 @@ class Calibration:
             self._table = non_increasing_rows(rate[:, ::-1], weight[:, ::-1])[:, ::-1]
         return self._table
 
-    def path_rates(self, parents, depths, logprobs: np.ndarray) -> np.ndarray:
-        """Probability of each node (1-based, parents before children) lying on the accepted path: [N] float64."""
+    def path_rates(self, parents, depths, logprobs: np.ndarray) -> list[float]:
+        """Probability of each node (1-based, parents before children) lying on the accepted path."""
         c = self.table[_rows(depths), _bins(logprobs)].tolist()
         a = [1.0]  # the root
         for i, p in enumerate(parents):
             a.append(c[i] * a[p])
-        return np.array(a[1:])
+        return a[1:]
 
     def record(self, parents, depths, logprobs: np.ndarray, accepted_nodes) -> None:
         """One verified tree: nodes 1..N (parents, depths, log q at their depths) of which `accepted_nodes` lay on
