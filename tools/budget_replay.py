@@ -201,6 +201,9 @@ def format_row(cost: str, r: dict) -> str:
 
 def run(args) -> int:
     traces = load_or_record(args)
+    if args.miss_all:  # the same trees from a drafter of no use: nothing matches
+        traces = [Trace(t.emitted, [Position(p.tokens, p.parents, p.logprobs, np.zeros_like(p.matched))
+                                    for p in t.positions]) for t in traces]
     positions = sum(len(t.positions) for t in traces)
     print(f"{len(traces)} traces, {positions} positions, mean nodes accepted of the full tree "
           f"{np.mean([p.matched.sum() for t in traces for p in t.positions]):.2f}")
@@ -257,6 +260,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--costs", type=lambda s: s.split(","), default=list(COST_TABLES),
                    help=f"step-cost tables: {', '.join(COST_TABLES)}")
     p.add_argument("--trace", help="JSON file of recorded trees: read if it exists, else written")
+    p.add_argument("--miss-all", action="store_true", help="replay the trees as if no node were ever accepted (what a "
+                   "drafter of no use costs, its confidence unchanged)")
     p.set_defaults(func=run)
     return p
 

@@ -6,7 +6,8 @@ with some probability c that grows with the drafter's q_d(token) at the node's d
 (depth, q bin) from every verified node whose parent was accepted, starting from c = q itself (worth PRIOR_WEIGHT
 observations), and keeps it non-decreasing in q at each depth (isotonic regression weighted by trials: a bin that
 happens to beat its neighbour is pooled with it, and a bin never tried takes its neighbours' rate). A node's
-probability of lying on the accepted path is then the product of c over its path (`path_rates`): at most its parent's, so the most likely nodes always form a tree.
+probability of lying on the accepted path is then the product of c over its path (`path_rates`): at most its
+parent's, so the most likely nodes always form a tree.
 
 Layout: `hits` and `trials` are [MAX_DEPTH, Q_BINS] float64 decayed counts; bin b holds q in [b/Q_BINS, (b+1)/Q_BINS).
 """
