@@ -29,9 +29,10 @@ class VerifierConfig(ServerConfig):
     default_mode: str = option("ddtree", "mode when a request leaves it unspecified", choices=MODES)
     default_tree_budget: int = option(16, "tree nodes per step when a request leaves it unset")
     max_tree_budget: int = option(64, "largest tree budget a request may ask for")
-    adaptive_tree_budget: bool = option(True, "each step verifies only as many of a session's drafted nodes (up to "
-                                        "its tree budget) as maximize expected tokens per second, from the measured "
-                                        "acceptance of each node rank and verify time of each row bucket "
+    adaptive_tree_budget: bool = option(True, "each step verifies only those of a session's drafted nodes (up to its "
+                                        "tree budget) that maximize expected tokens per second, from the drafter's "
+                                        "calibrated confidence in each node and the measured verify time of each row "
+                                        "bucket, and skips the drafter while its trees do not pay "
                                         "(verifier_service/budget.py); false: every drafted node")
     max_new_tokens_limit: int = option(4096, "largest max_new_tokens a request may ask for")
     max_context: int = option(8192, "longest prompt + generation per session, tokens")
