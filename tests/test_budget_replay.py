@@ -40,16 +40,18 @@ def pair_and_prompt():
     return InProcessPair(MODEL, device="cpu"), KimiTokenizer.from_dir(MODEL).encode(PROMPT)
 
 
-def test_replaying_a_fixed_budget_is_decoding_with_it(pair_and_prompt):
-    """The recorded continuation is plain greedy decoding's, and replaying a fixed budget takes the steps that
-    DDTree decoding with that budget takes (the target's output does not depend on the trees)."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replaying_a_fixed_budget_is_decoding_with_it(pair_and_prompt, temperature):
+    """The recorded continuation is plain decoding's (greedy, or sampled with the same seed), and replaying a fixed
+    budget takes the steps that DDTree decoding with that budget takes (the target's output does not depend on the
+    trees)."""
     pair, prompt = pair_and_prompt
-    trace = record(pair, prompt, 40, 16)
-    assert trace.emitted == pair.generate(prompt, 40, "ar").tokens
-    assert len(trace.positions) == 39 and sum(p.matched.sum() for p in trace.positions) > 39  # the drafter helps
+    trace = record(pair, prompt, 40, 16, temperature, seed=5)
+    assert trace.emitted == pair.generate(prompt, 40, "ar", temperature=temperature, seed=5).tokens
+    assert len(trace.positions) == 39 and sum(p.matched.sum() for p in trace.positions) > 20  # the drafter helps
     table = COST_TABLES["k26-model"]
     for n in (4, 16):
-        decoded = pair.generate(prompt, 40, "ddtree", budget=n)
+        decoded = pair.generate(prompt, 40, "ddtree", budget=n, temperature=temperature, seed=5)
         replayed = replay([trace], Fixed(n), table)
         assert replayed["steps"] == decoded.steps and replayed["tokens"] == 39
     adaptive = replay([trace], Adaptive(16, table), table)
@@ -58,11 +60,12 @@ def test_replaying_a_fixed_budget_is_decoding_with_it(pair_and_prompt):
 
 def test_traces_round_trip_through_json(pair_and_prompt, tmp_path):
     pair, prompt = pair_and_prompt
-    traces = [record(pair, prompt, 12, 8)]
+    traces = [record(pair, prompt, 12, 8, 1.0, seed=2)]
     path = tmp_path / "t.json"
     path.write_text(budget_replay.json.dumps([budget_replay._trace_to(t) for t in traces]))
     args = budget_replay.configure(budget_replay.argparse.ArgumentParser()).parse_args(["--trace", str(path)])
     back = budget_replay.load_or_record(args)
+    assert back[0].emitted == traces[0].emitted and back[0].temperature == 1.0
     for a, b in zip(traces[0].positions, back[0].positions):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
         assert a.logprobs.tolist() == b.logprobs.tolist() and a.matched.tolist() == b.matched.tolist()

@@ -47,15 +47,9 @@ class Position:
 
 @dataclass
 class Trace:
-    emitted: list[int]  # the target's greedy tokens after the prompt
+    emitted: list[int]  # the target's tokens after the prompt (greedy, or sampled at `temperature`)
     positions: list[Position]  # positions[k]: the tree below emitted[k]
-
-
-def node_logprobs(tokens, depths, topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> np.ndarray:
-    """Each node's log q at its depth, looked up in the per-depth top-K tables the tree was built from."""
-    rows = topk_ids[np.asarray(depths) - 1]  # [N, K]
-    rank = (rows == np.asarray(tokens)[:, None]).argmax(1)
-    return topk_logprobs[np.asarray(depths) - 1, rank].astype(np.float32)
+    temperature: float = 0.0
 
 
 def matched_nodes(tokens, parents, following: list[int]) -> np.ndarray:
@@ -71,43 +65,42 @@ def matched_nodes(tokens, parents, following: list[int]) -> np.ndarray:
     return ok[1:]
 
 
-def record(pair, prompt: list[int], max_new: int, budget: int) -> Trace:
-    """Greedy decoding of `prompt` one token a step, and at every step the drafter's `budget`-node tree below the
-    newest token, its drafter cache fed the target's feature rows as the verifier feeds it."""
+def record(pair, prompt: list[int], max_new: int, budget: int, temperature: float = 0.0, seed: int = 0) -> Trace:
+    """Plain decoding of `prompt` one token a step, and at every step the drafter's `budget`-node tree below the
+    newest token, its drafter cache fed the target's feature rows as the verifier feeds it. Sampled (temperature > 0)
+    with the session's uniforms as the engine draws them: the node at depth d below emitted[k] meets the uniform of
+    position k + d, so DDTree's sampled output is this same sequence, and a node is accepted iff its path spells it,
+    as with greedy decoding."""
     import torch
 
     from drafter_service.engine import DraftMode, Proposal, ProposeItem
+    from verifier_service.acceptance import SessionRng
 
-    table, sid = pair.cache.table, uuid.uuid4().hex
+    table, sid, rng = pair.cache.table, uuid.uuid4().hex, SessionRng(seed)
     table.open(sid)
     trees, emitted = [], []
     try:
         with torch.inference_mode():
             out = pair._prefill(sid, prompt, pair.layer_ids)
-            emitted.append(int(out.logits[0].argmax()))
             feats, fed = out.hidden, 0
-            while len(emitted) < max_new:
-                res = pair.drafter.propose([ProposeItem(sid, fed, feats, emitted[-1], budget, DraftMode.DDTREE,
-                                                        return_draft_logprobs=True)])[0]
+            while True:
+                emitted.append(pair._pick(out.logits[:1], [0], rng, temperature)[0])
+                rng.advance(1)
+                if len(emitted) == max_new:
+                    break
+                res = pair.drafter.propose([ProposeItem(sid, fed, feats, emitted[-1], budget, DraftMode.DDTREE)])[0]
                 if not isinstance(res, Proposal):
                     raise RuntimeError(f"drafter answered {res}")
                 fed += len(feats)
-                trees.append(res)
-                length = table.length(sid)
-                out = pair._verify(sid, emitted[-1], [], [], length, pair.layer_ids)
+                trees.append(res.tree)
+                out = pair._verify(sid, emitted[-1], [], [], table.length(sid), pair.layer_ids)
                 pair.cache.commit(sid, [0])
-                emitted.append(int(out.logits[0].argmax()))
                 feats = out.hidden[:1]
     finally:
         table.close(sid)
         pair.drafter.release(sid)
-    positions = []
-    for k, res in enumerate(trees):
-        t = res.tree
-        positions.append(Position(t.tokens, t.parents, node_logprobs(t.tokens, t.depths, res.topk_ids,
-                                                                     res.topk_logprobs),
-                                  matched_nodes(t.tokens, t.parents, emitted[k + 1:])))
-    return Trace(emitted, positions)
+    return Trace(emitted, [Position(t.tokens, t.parents, t.logprobs, matched_nodes(t.tokens, t.parents, emitted[k + 1:]))
+                           for k, t in enumerate(trees)], temperature)
 
 
 class Fixed:
@@ -123,7 +116,7 @@ class Fixed:
     def keep(self, sid: str, pos: Position) -> np.ndarray:
         return np.arange(1, min(self.n, len(pos.tokens)) + 1)
 
-    def record(self, sid: str, kept: np.ndarray, accepted: list[int], nodes: int) -> None:
+    def record(self, sid: str, kept: np.ndarray, accepted: list[int], nodes: int, sampled: bool) -> None:
         pass
 
 
@@ -149,10 +142,10 @@ class Adaptive:
         draft = Draft(list(range(1, n + 1)), pos.parents.tolist(), pos.logprobs.tolist())
         return np.array(self.budget.trim({sid: draft}, 1, 1)[sid].tokens, dtype=np.int64)
 
-    def record(self, sid: str, kept: np.ndarray, accepted: list[int], nodes: int) -> None:
+    def record(self, sid: str, kept: np.ndarray, accepted: list[int], nodes: int, sampled: bool) -> None:
         self.budget.plan_next([(sid, nodes)])  # during the forward, before the step's record
         renumbered = [int(np.searchsorted(kept, i)) + 1 for i in accepted]
-        self.budget.record(sid, len(kept), [0, *renumbered])
+        self.budget.record(sid, len(kept), [0, *renumbered], sampled=sampled)
 
 
 def set_costs(costs, table: dict) -> None:
@@ -183,7 +176,7 @@ def replay(traces: list[Trace], policy, table: dict) -> dict:
                 kept, accepted = np.zeros(0, dtype=np.int64), []
                 seconds += costs.step(1, drafting=False)
                 skipped += 1
-            policy.record(sid, kept, accepted, nodes)
+            policy.record(sid, kept, accepted, nodes, trace.temperature > 0)
             gained = min(len(accepted) + 1, len(trace.positions) - k)
             k, tokens, steps, rows = k + gained, tokens + gained, steps + 1, rows + 1 + len(kept)
     return {"policy": policy.name, "tokens": tokens, "steps": steps, "tau": tokens / steps,
@@ -203,7 +196,7 @@ def run(args) -> int:
     traces = load_or_record(args)
     if args.miss_all:  # the same trees from a drafter of no use: nothing matches
         traces = [Trace(t.emitted, [Position(p.tokens, p.parents, p.logprobs, np.zeros_like(p.matched))
-                                    for p in t.positions]) for t in traces]
+                                    for p in t.positions], t.temperature) for t in traces]
     positions = sum(len(t.positions) for t in traces)
     print(f"{len(traces)} traces, {positions} positions, mean nodes accepted of the full tree "
           f"{np.mean([p.matched.sum() for t in traces for p in t.positions]):.2f}")
@@ -225,9 +218,9 @@ def load_or_record(args) -> list[Trace]:
 
     pair = InProcessPair(args.model, device=args.device)
     traces = []
-    for p in heldout_prompts(args.model, args.prompts, args.prompt_tokens):
+    for i, p in enumerate(heldout_prompts(args.model, args.prompts, args.prompt_tokens)):
         t0 = time.perf_counter()
-        traces.append(record(pair, p["ids"], args.max_new, args.budget))
+        traces.append(record(pair, p["ids"], args.max_new, args.budget, args.temperature, args.seed + i))
         print(f"recorded {p['key']}: {len(p['ids'])} prompt tokens, {time.perf_counter() - t0:.1f} s", flush=True)
     if args.trace:
         Path(args.trace).write_text(json.dumps([_trace_to(t) for t in traces]))
@@ -235,7 +228,7 @@ def load_or_record(args) -> list[Trace]:
 
 
 def _trace_to(t: Trace) -> dict:
-    return {"emitted": t.emitted, "positions": [{"tokens": p.tokens.tolist(), "parents": p.parents.tolist(),
+    return {"emitted": t.emitted, "temperature": t.temperature, "positions": [{"tokens": p.tokens.tolist(), "parents": p.parents.tolist(),
                                                  "logprobs": p.logprobs.tolist()} for p in t.positions]}
 
 
@@ -245,7 +238,7 @@ def _trace_from(d: dict) -> Trace:
         tokens, parents = np.array(p["tokens"], dtype=np.int64), np.array(p["parents"], dtype=np.int32)
         positions.append(Position(tokens, parents, np.array(p["logprobs"], dtype=np.float32),
                                   matched_nodes(tokens, parents, emitted[k + 1:])))
-    return Trace(emitted, positions)
+    return Trace(emitted, positions, d.get("temperature", 0.0))
 
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -254,6 +247,9 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts (tools/bench_spec.py's)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="record sampled decoding (the replay is exact at "
+                   "any temperature: DDTree's sampled output is plain sampling's with the same uniforms)")
+    p.add_argument("--seed", type=int, default=0, help="prompt i's sampling seed is seed + i")
     p.add_argument("--budget", type=int, default=64, help="nodes of each recorded tree (the most a policy can keep)")
     p.add_argument("--fixed", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2, 4, 8, 16, 32, 64],
                    help="fixed budgets to replay (0 = plain decoding)")
