@@ -137,7 +137,7 @@ def test_prefill_rows_go_ahead_chunk_by_chunk(tiny_ckpt, scripted_server):  # no
         s = Session("chunked", list(PROMPT), GenParams(max_new_tokens=N, ignore_eos=True, mode=DDTREE, tree_budget=8),
                     [].append, window=64)
         s.features_on = True
-        drafter.faults.hold_s = 1.0  # every Propose is read 1 s late
+        drafter.faults.hold_s = 3.0  # every Propose is read 3 s late (a loaded machine took 1 s for two prefill steps)
         engine.submit(s)
         engine._admit()
         engine.step()  # chunk [0, 3): its rows go ahead
