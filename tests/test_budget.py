@@ -210,14 +210,14 @@ def costly_rows(b: AdaptiveBudget, per_row: float, wait: float = 0.1) -> None:
 def test_a_confident_drafter_that_misses_is_cut_and_not_waited_for():
     """Nodes the drafter is sure of that never land: soon they are not verified, and the drafter is waited for ever
     less often, then after every 16 root-only steps."""
-    b = AdaptiveBudget(max_nodes=8)
+    b = AdaptiveBudget()
     costly_rows(b, per_row=0.5, wait=1.0)
     kept, waited = [], []
     for step in range(6 * EXPLORE_EVERY):
-        waited.append(b.draft_pays([("s", 8)]))
+        waited.append(b.draft_pays(["s"]))
         n = len(b.trim({"s": chain(8, q=0.97)}, sessions=1, fixed_rows=1)["s"].tokens) if waited[-1] else 0
         kept.append(n)
-        b.plan_next([("s", 8)])  # during the forward: learns from the trees recorded so far
+        b.plan_next(["s"])  # during the forward: learns from the trees recorded so far
         b.record("s", n, [0])  # only the root: nothing accepted
     assert kept[0] == 7 and all(n == 0 for n in kept[2 * EXPLORE_EVERY:])  # the first tree fills the 8-row bucket
     first_skip = waited.index(False)
@@ -228,13 +228,13 @@ def test_a_confident_drafter_that_misses_is_cut_and_not_waited_for():
 
 
 def test_accepted_nodes_are_kept_when_rows_are_cheap():
-    b = AdaptiveBudget(max_nodes=8)
+    b = AdaptiveBudget()
     costly_rows(b, per_row=1e-3)
     for step in range(40):
         trimmed = b.trim({"s": chain(8, q=0.6)}, sessions=1, fixed_rows=1)["s"]
         assert len(trimmed.tokens) == 8 and trimmed.parents == list(range(8))
         b.record("s", 8, list(range(9)))
-    assert b.draft_pays([("s", 8)])
+    assert b.draft_pays(["s"])
     b.forget("s")
     assert "s" not in b.sessions
 
@@ -242,7 +242,7 @@ def test_accepted_nodes_are_kept_when_rows_are_cheap():
 def test_each_tree_is_cut_by_its_own_confidence():
     """Same session, same calibration, one step apart: a tree the drafter is sure of keeps more nodes than one it
     doubts."""
-    b = AdaptiveBudget(max_nodes=8)
+    b = AdaptiveBudget()
     costly_rows(b, per_row=0.05)
     sure = b.trim({"s": chain(8, q=0.98)}, sessions=1, fixed_rows=1)["s"]
     doubt = b.trim({"s": chain(8, q=0.3)}, sessions=1, fixed_rows=1)["s"]
@@ -252,7 +252,7 @@ def test_each_tree_is_cut_by_its_own_confidence():
 
 
 def test_sampled_sessions_learn_their_own_calibration():
-    b = AdaptiveBudget(max_nodes=4)
+    b = AdaptiveBudget()
     costly_rows(b, per_row=0.5)
     for _ in range(50):
         n = len(b.trim({"t": chain(4, q=0.9)}, sessions=1, fixed_rows=1)["t"].tokens)
@@ -264,7 +264,7 @@ def test_sampled_sessions_learn_their_own_calibration():
 
 
 def test_fixed_cost_is_measured_between_back_to_back_steps():
-    b = AdaptiveBudget(max_nodes=4)
+    b = AdaptiveBudget()
     b.observe_step(rows=5, verify_s=2.0, wait_s=0.25, start=0.0, end=3.0)
     assert b.costs.step(5) is None  # counted once the next step starts
     b.observe_step(rows=1, verify_s=1.0, wait_s=None, start=3.01, end=4.5)  # a 3.01 s cycle: 2.0 verify, 0.25 wait
@@ -274,35 +274,35 @@ def test_fixed_cost_is_measured_between_back_to_back_steps():
 
 
 def test_draft_pays_weighs_expected_tokens_against_the_wait():
-    b = AdaptiveBudget(max_nodes=8)
+    b = AdaptiveBudget()
     costly_rows(b, per_row=0.1, wait=1.0)
-    assert AdaptiveBudget(max_nodes=8).draft_pays([("u", 8)])  # nothing known yet
-    assert b.draft_pays([("s", 8)])  # a session's first step
+    assert AdaptiveBudget().draft_pays(["u"])  # nothing known yet
+    assert b.draft_pays(["s"])  # a session's first step
     st = b._state("s")
     st.tokens, st.rows = 1.2, 1.0  # 1.2 tokens a drafted step of 2 rows
     # drafting: 1.2 / (0.4 + 1.0 + 1.2) = 0.46 tokens/s; root-only 1 / (0.4 + 1.1) = 0.67
-    assert not b.draft_pays([("s", 8)])
+    assert not b.draft_pays(["s"])
     st.idle = st.gap
-    assert b.draft_pays([("s", 8)])  # exploration
+    assert b.draft_pays(["s"])  # exploration
     st.idle, st.tokens = 0, 3.0  # 3 / 2.6 = 1.15 tokens/s
-    assert b.draft_pays([("s", 8)])
+    assert b.draft_pays(["s"])
 
 
 def test_the_plan_made_during_the_forward_serves_the_next_step_once():
     """plan_next runs before the step's record and counts it: after a root-only step one more idle step, after a
     drafted one none."""
-    b = AdaptiveBudget(max_nodes=8)
+    b = AdaptiveBudget()
     costly_rows(b, per_row=0.1, wait=1.0)
     st = b._state("s")
     st.tokens, st.rows, st.idle, st.gap = 1.0, 1.0, 3, 4  # drafting does not pay; due to explore after 4 idle
-    b.plan_next([("s", 8)])  # during the forward of a root-only step (the session's 4th idle one)
+    b.plan_next(["s"])  # during the forward of a root-only step (the session's 4th idle one)
     b.record("s", 0, [0])
-    assert b._plan is not None and b.draft_pays([("s", 8)])  # explores
+    assert b._plan is not None and b.draft_pays(["s"])  # explores
     assert b._plan is None  # a plan serves one step
     b.trim({"s": chain(8, q=0.01)}, sessions=1, fixed_rows=1)  # the exploring step drafts a tree of little use
-    b.plan_next([("s", 8)])
+    b.plan_next(["s"])
     b.record("s", 0, [0])
     assert st.idle == 0 and st.gap == 8  # it did not pay: the next wait comes after 8 root-only steps
-    assert not b.draft_pays([("s", 8)])
-    assert not b.draft_pays([("s", 8)])  # without a plan the decision is made now, the same way
-    assert b.draft_pays([("s", 8), ("new", 8)])  # a session the plan did not cover: decided now (new: drafts)
+    assert not b.draft_pays(["s"])
+    assert not b.draft_pays(["s"])  # without a plan the decision is made now, the same way
+    assert b.draft_pays(["s", "new"])  # a session the plan did not cover: decided now (new: drafts)

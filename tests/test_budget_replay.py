@@ -54,7 +54,7 @@ def test_replaying_a_fixed_budget_is_decoding_with_it(pair_and_prompt, temperatu
         decoded = pair.generate(prompt, 40, "ddtree", budget=n, temperature=temperature, seed=5)
         replayed = replay([trace], Fixed(n), table)
         assert replayed["steps"] == decoded.steps and replayed["tokens"] == 39
-    adaptive = replay([trace], Adaptive(16, table), table)
+    adaptive = replay([trace], Adaptive(table), table)
     assert adaptive["tokens"] == 39 and adaptive["rows_per_step"] <= 17
 
 

@@ -110,13 +110,13 @@ class Fixed:
         self.n = n
         self.name = "AR" if n == 0 else f"fixed {n}"
 
-    def drafts(self, sid: str, nodes: int) -> bool:
+    def drafts(self, sid: str) -> bool:
         return self.n > 0
 
     def keep(self, sid: str, pos: Position) -> np.ndarray:
         return np.arange(1, min(self.n, len(pos.tokens)) + 1)
 
-    def record(self, sid: str, kept: np.ndarray, accepted: list[int], nodes: int, sampled: bool) -> None:
+    def record(self, sid: str, kept: np.ndarray, accepted: list[int], sampled: bool) -> None:
         pass
 
 
@@ -124,15 +124,15 @@ class Adaptive:
     """verifier_service.budget.AdaptiveBudget, called as the engine calls it, with its step costs set to the
     table's instead of measured."""
 
-    def __init__(self, max_nodes: int, table: dict):
+    def __init__(self, table: dict):
         from verifier_service.budget import AdaptiveBudget
 
-        self.budget = AdaptiveBudget(max_nodes)
+        self.budget = AdaptiveBudget()
         set_costs(self.budget.costs, table)
         self.name = "adaptive"
 
-    def drafts(self, sid: str, nodes: int) -> bool:
-        return self.budget.draft_pays([(sid, nodes)])
+    def drafts(self, sid: str) -> bool:
+        return self.budget.draft_pays([sid])
 
     def keep(self, sid: str, pos: Position) -> np.ndarray:
         from verifier_service.drafter_client import Draft
@@ -142,8 +142,8 @@ class Adaptive:
         draft = Draft(list(range(1, n + 1)), pos.parents.tolist(), pos.logprobs.tolist())
         return np.array(self.budget.trim({sid: draft}, 1, 1)[sid].tokens, dtype=np.int64)
 
-    def record(self, sid: str, kept: np.ndarray, accepted: list[int], nodes: int, sampled: bool) -> None:
-        self.budget.plan_next([(sid, nodes)])  # during the forward, before the step's record
+    def record(self, sid: str, kept: np.ndarray, accepted: list[int], sampled: bool) -> None:
+        self.budget.plan_next([sid])  # during the forward, before the step's record
         renumbered = [int(np.searchsorted(kept, i)) + 1 for i in accepted]
         self.budget.record(sid, len(kept), [0, *renumbered], sampled=sampled)
 
@@ -167,8 +167,7 @@ def replay(traces: list[Trace], policy, table: dict) -> dict:
         sid, k = f"trace{t}", 0
         while k < len(trace.positions):
             pos = trace.positions[k]
-            nodes = len(pos.tokens)
-            if policy.drafts(sid, nodes):
+            if policy.drafts(sid):
                 kept = policy.keep(sid, pos)
                 accepted = [int(i) for i in kept if pos.matched[i - 1]]
                 seconds += costs.step(1 + len(kept))
@@ -176,15 +175,15 @@ def replay(traces: list[Trace], policy, table: dict) -> dict:
                 kept, accepted = np.zeros(0, dtype=np.int64), []
                 seconds += costs.step(1, drafting=False)
                 skipped += 1
-            policy.record(sid, kept, accepted, nodes, trace.temperature > 0)
+            policy.record(sid, kept, accepted, trace.temperature > 0)
             gained = min(len(accepted) + 1, len(trace.positions) - k)
             k, tokens, steps, rows = k + gained, tokens + gained, steps + 1, rows + 1 + len(kept)
     return {"policy": policy.name, "tokens": tokens, "steps": steps, "tau": tokens / steps,
             "rows_per_step": rows / steps, "skipped": skipped, "tok_s": tokens / seconds}
 
 
-def policies(table: dict, max_nodes: int, fixed: list[int]) -> list:
-    return [Fixed(n) for n in fixed] + [Adaptive(max_nodes, table)]
+def policies(table: dict, fixed: list[int]) -> list:
+    return [Fixed(n) for n in fixed] + [Adaptive(table)]
 
 
 def format_row(cost: str, r: dict) -> str:
@@ -204,7 +203,7 @@ def run(args) -> int:
     print("|---|---|---:|---:|---:|---:|")
     for cost in args.costs:
         table = COST_TABLES[cost]
-        for policy in policies(table, args.budget, args.fixed):
+        for policy in policies(table, args.fixed):
             print(format_row(cost, replay(traces, policy, table)), flush=True)
     return 0
 

@@ -160,8 +160,7 @@ class AdaptiveBudget:
     """The engine's side: the calibrations, the step costs, each session's recent value, and the trimming of a step's
     drafts."""
 
-    def __init__(self, max_nodes: int):
-        self.max_nodes = max_nodes
+    def __init__(self):
         self.costs = StepCosts()
         self.calibration = {False: Calibration(), True: Calibration()}  # greedy, sampled
         self.sessions: dict[str, _SessionState] = {}
@@ -192,12 +191,12 @@ class AdaptiveBudget:
         logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(n)
         return self.calibration[state.sampled].path_rates(draft.parents, tree_depths(draft.parents)[1:], logprobs)
 
-    def plan_next(self, sessions: list[tuple[str, int]]) -> None:
+    def plan_next(self, sessions: list[str]) -> None:
         """During a step's forward (the host is idle): whether the next step waits for these decoding sessions'
-        trees ((id, most nodes its tree may have)), counting the step being recorded as done. Also learns from the
+        trees, counting the step being recorded as done. Also learns from the
         trees verified until the last step, so that neither `record` nor the next `trim` does it on the critical
         path (the next step's cut is one step stale)."""
-        self._plan = (frozenset(sid for sid, _ in sessions), self._decide(sessions, ahead=1))
+        self._plan = (frozenset(sessions), self._decide(sessions, ahead=1))
         self.learn()
 
     def learn(self) -> None:
@@ -209,18 +208,18 @@ class AdaptiveBudget:
         for cal in self.calibration.values():
             cal.table  # noqa: B018 - computed now, while the GPU works
 
-    def draft_pays(self, sessions: list[tuple[str, int]]) -> bool:
-        """Whether the next step should wait for trees for these decoding sessions ((id, most nodes its tree may
-        have)): the tokens and rows their recent trees were expected to give, at the step's expected cost, against a
-        root-only step, which does not wait for the drafter. True while a cost is unknown and when a session is due
-        to explore. The decision `plan_next` made during the last forward, when it covers these sessions."""
+    def draft_pays(self, sessions: list[str]) -> bool:
+        """Whether the next step should wait for trees for these decoding sessions: the tokens and rows their recent
+        trees were expected to give, at the step's expected cost, against a root-only step, which does not wait for
+        the drafter. True while a cost is unknown and when a session is due to explore. The decision `plan_next` made
+        during the last forward, when it covers these sessions."""
         plan, self._plan = self._plan, None
-        if plan is not None and {sid for sid, _ in sessions} <= plan[0]:
+        if plan is not None and set(sessions) <= plan[0]:
             return plan[1]
         return self._decide(sessions, ahead=0)
 
-    def _decide(self, sessions: list[tuple[str, int]], ahead: int) -> bool:
-        states = [self._state(sid) for sid, _ in sessions]
+    def _decide(self, sessions: list[str], ahead: int) -> bool:
+        states = [self._state(sid) for sid in sessions]
         if not states or any(st.tokens is None or _idle(st, ahead) >= st.gap for st in states):
             return True
         return self._pays(states)

@@ -29,7 +29,7 @@ from verifier_service.grammar import GrammarError, load_vocabulary
 from verifier_service.prefix_cache import FeatureStore
 from verifier_service.penalties import penalized_logits
 from verifier_service.plan import SeqRows, build_plan, chain_parents, tree_parents
-from verifier_service.session import AR, CHAIN, Emission, Session
+from verifier_service.session import AR, Emission, Session
 from verifier_service.stepping import (accept_session, draw_ahead, fetch_outputs, first_token, prompt_logprobs,
                                       top_logprobs)
 
@@ -49,7 +49,7 @@ class Engine:
                          if drafters is not None and drafters.enabled else None)
         self.eos_ids = frozenset(runner.cfg.eos_token_id)
         # how many drafted nodes each step verifies (None: all of them)
-        self.budget = (AdaptiveBudget(config.max_tree_budget)
+        self.budget = (AdaptiveBudget()
                        if self.drafting and config.adaptive_tree_budget else None)
         # token bytes for structured output's grammar masks (None: refused), from the checkpoint's tokenizer
         self.vocabulary = load_vocabulary(getattr(config, "model", ""), runner.cfg.vocab_size, self.eos_ids)
@@ -177,7 +177,7 @@ class Engine:
         out = self.runner.forward(plan)
         top_rows = self._look_ahead(jobs)  # host work while the GPU runs the forward
         if self.budget is not None:  # so is the next step's budget (from this one's estimates)
-            self.budget.plan_next([(s.id, self._tree_nodes(s)) for s in decoding if s.params.mode != AR])
+            self.budget.plan_next([s.id for s in decoding if s.params.mode != AR])
         self.runner.sync()  # the GPU forward runs asynchronously: time it here, not in the accept phase
         t2 = time.perf_counter()
         self._finish_step(jobs, out, top_rows)
@@ -225,15 +225,8 @@ class Engine:
 
     def _draft_pays(self, sessions: list[Session]) -> bool:
         """Whether the next step waits for these sessions' trees (AR-mode sessions, which draft nothing, left out)."""
-        drafted = [(s.id, self._tree_nodes(s)) for s in sessions if s.params.mode != AR]
+        drafted = [s.id for s in sessions if s.params.mode != AR]
         return self.budget is None or not drafted or self.budget.draft_pays(drafted)
-
-    def _tree_nodes(self, s: Session) -> int:
-        """Nodes the drafter will return for the session: its tree budget; a chain, block_size - 1 (the limit a
-        chain is checked against until the drafter's block size is known)."""
-        if s.params.mode == CHAIN and self.block_size > 1:
-            return self.block_size - 1
-        return self.drafting.node_limit(s)
 
     def _rows(self, decoding: list[Session], drafts: dict, chunks: list[tuple[Session, int, int]]):
         """Per-session SeqRows (verify trees first, then the prefill chunks) and what to do with the output."""
