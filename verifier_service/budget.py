@@ -93,6 +93,14 @@ class StepCosts:
         return base + self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (b - lo) / (hi - lo)
 
 
+def _calibration_inputs(draft) -> tuple[list[int], list[int], np.ndarray]:
+    """A Draft as the calibration reads it: parents, depths (1..L) and log-probs (0, i.e. q = 1, when the drafter
+    sent none)."""
+    n = len(draft.tokens)
+    logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(n)
+    return draft.parents, tree_depths(draft.parents)[1:], logprobs
+
+
 def _ema(old: float | None, new: float, rate: float = COST_RATE) -> float:
     return new if old is None else old + rate * (new - old)
 
@@ -186,10 +194,7 @@ class AdaptiveBudget:
         return out
 
     def _rates(self, sid: str, draft) -> list[float]:
-        state = self._state(sid)
-        n = len(draft.tokens)
-        logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(n)
-        return self.calibration[state.sampled].path_rates(draft.parents, tree_depths(draft.parents)[1:], logprobs)
+        return self.calibration[self._state(sid).sampled].path_rates(*_calibration_inputs(draft))
 
     def plan_next(self, sessions: list[str]) -> None:
         """During a step's forward (the host is idle): whether the next step waits for these decoding sessions'
@@ -203,8 +208,7 @@ class AdaptiveBudget:
         """The recorded trees into the calibrations, and their tables recomputed."""
         verified, self._verified = self._verified, []
         for sampled, draft, accepted in verified:
-            logprobs = np.asarray(draft.logprobs, dtype=np.float64) if draft.logprobs else np.zeros(len(draft.tokens))
-            self.calibration[sampled].record(draft.parents, tree_depths(draft.parents)[1:], logprobs, accepted)
+            self.calibration[sampled].record(*_calibration_inputs(draft), accepted)
         for cal in self.calibration.values():
             cal.table  # noqa: B018 - computed now, while the GPU works
 
