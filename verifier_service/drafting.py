@@ -107,7 +107,7 @@ class DraftPlanner:
         for s in wanted:
             drafts_for = answers.get(s.id)
             if isinstance(drafts_for, Draft):
-                problem = tree_problem(drafts_for, self.node_limit(s), self.vocab_size)
+                problem = tree_problem(drafts_for, self._node_limit(s), self.vocab_size)
                 if problem is None:  # drafter_len and needs_reset were set when the request was sent
                     drafts[s.id] = drafts_for
                     continue
@@ -121,7 +121,7 @@ class DraftPlanner:
                 metrics.DRAFT_UNAVAILABLE.inc()
         return drafts
 
-    def node_limit(self, s: Session) -> int:
+    def _node_limit(self, s: Session) -> int:
         """Most nodes a tree may have: the budget asked for (chain: B-1, within the scratch reserved
         for max_tree_budget)."""
         return self.config.max_tree_budget if s.params.mode == CHAIN else s.params.tree_budget
