@@ -1,9 +1,9 @@
 """Tree-budget policies replayed on recorded drafts (`ddtree bench budget`).
 
 Whether a tree-budget policy pays depends on two things no single run shows at once: how well the drafter's
-trees hit the target's text, and what a verify row costs on the target's hardware. With greedy decoding they
-separate exactly. The target's output does not depend on the trees (lossless), so a node is accepted iff its path
-spells the target's next tokens. One run records, at every position of each prompt's greedy continuation, the
+trees hit the target's text, and what a verify row costs on the target's hardware. They separate exactly: the
+target's output does not depend on the trees (lossless; sampled output too, given the seed), so a node is accepted iff
+its path spells the target's next tokens. One run records, at every position of each prompt's continuation, the
 drafter's full tree with each node's log-probability (`record`). Any policy is then replayed on those trees
 against any step-cost table (`replay`): the positions it visits, the nodes it keeps, what they accept and what the
 steps cost under the table. The K2.6 tables are the 61-layer rank-0 graph times of docs/BENCHMARKS.md.
