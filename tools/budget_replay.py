@@ -99,8 +99,9 @@ def record(pair, prompt: list[int], max_new: int, budget: int, temperature: floa
     finally:
         table.close(sid)
         pair.drafter.release(sid)
-    return Trace(emitted, [Position(t.tokens, t.parents, t.logprobs, matched_nodes(t.tokens, t.parents, emitted[k + 1:]))
-                           for k, t in enumerate(trees)], temperature)
+    positions = [Position(t.tokens, t.parents, t.logprobs, matched_nodes(t.tokens, t.parents, emitted[k + 1:]))
+                 for k, t in enumerate(trees)]
+    return Trace(emitted, positions, temperature)
 
 
 class Fixed:
@@ -227,8 +228,9 @@ def load_or_record(args) -> list[Trace]:
 
 
 def _trace_to(t: Trace) -> dict:
-    return {"emitted": t.emitted, "temperature": t.temperature, "positions": [{"tokens": p.tokens.tolist(), "parents": p.parents.tolist(),
-                                                 "logprobs": p.logprobs.tolist()} for p in t.positions]}
+    positions = [{"tokens": p.tokens.tolist(), "parents": p.parents.tolist(), "logprobs": p.logprobs.tolist()}
+                 for p in t.positions]
+    return {"emitted": t.emitted, "temperature": t.temperature, "positions": positions}
 
 
 def _trace_from(d: dict) -> Trace:
