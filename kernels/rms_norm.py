@@ -3,6 +3,7 @@
     rms_norm(x, weight, eps, cos=None, sin=None) -> out   (new tensor, x's shape and dtype)
     add_rms_norm(x, delta, weight, eps) -> (h, out)       h = x + delta, out = rms_norm(h): a decoder
                                                           layer's residual add and next norm, one launch
+    rms_norm_pair(x1, w1, x2, w2, eps) -> (out1, out2)    two norms of the same rows in one launch
 
 x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D. Or a [N, D] view of wider rows (last dim
         contiguous, row stride x.stride(0)): a fused projection's column block is normed in place of a copy
@@ -44,12 +45,13 @@ template <> struct io<u16> {  // bf16 as raw bits
 
 // 1 / sqrt(mean of squares + eps) of a block's row from each thread's partial sum of squares: a warp
 // shuffle tree, then the warps in order (a fixed order: the result does not depend on the row count).
-__device__ __forceinline__ float inv_rms(float ss, float* part, int D, float eps) {
-  const int tid = threadIdx.x, nt = blockDim.x;
+// nt: the threads that hold the row (a multiple of 32, <= blockDim.x); the others add nothing but join the barrier.
+__device__ __forceinline__ float inv_rms(float ss, float* part, int D, float eps, int nt) {
+  const int tid = threadIdx.x;
 #pragma unroll
   for (int m = 16; m; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
   if (nt > 32) {
-    if ((tid & 31) == 0) part[tid >> 5] = ss;
+    if ((tid & 31) == 0 && tid < nt) part[tid >> 5] = ss;
     __syncthreads();
     ss = 0.f;
     for (int k = 0; k < nt / 32; ++k) ss += part[k];
@@ -75,7 +77,7 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
     const float v = io<T>::ld(xr + i);
     ss += v * v;
   }
-  const float inv = inv_rms(ss, part, D, eps);
+  const float inv = inv_rms(ss, part, D, eps, nt);
   if (cos == nullptr) {
     for (int i = tid; i < D; i += nt) io<T>::st(o + i, io<T>::ld(w + i) * io<T>::round(io<T>::ld(xr + i) * inv));
     return;
@@ -91,20 +93,19 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
   }
 }
 
-// Plain RMSNorm of rows whose D·sizeof(T) is a multiple of 16 (x, w, out 16-byte aligned): thread t holds
-// chunks t, t + 32·W, ... (at most MAXV of 16 bytes) of the row and of w in registers, all loaded before
-// the first use. Same statistic order rules as rms_norm (independent of N), same rounding.
-// x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out is [N, D] contiguous.
-// delta non-null (residual add first, [N, D] contiguous like h_out): the row normed is h = T(x + delta),
-// rounded as torch's add rounds, and h is also written to h_out.
+// Plain RMSNorm of rows whose D·sizeof(T) is a multiple of 16 (x, w, out 16-byte aligned): thread t < nt holds
+// chunks t, t + nt, ... (at most MAXV of 16 bytes) of the row and of w in registers, all loaded before the first
+// use; threads from nt on only join the block's barriers. Same statistic order rules as rms_norm (independent of
+// N), same rounding. x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out is [N, D]
+// contiguous. delta non-null (residual add first, [N, D] contiguous like h_out): the row normed is
+// h = T(x + delta), rounded as torch's add rounds, and h is also written to h_out.
 template <typename T, int MAXV>
-__global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delta, const T* __restrict__ w,
-                             T* __restrict__ out, T* __restrict__ h_out, int D, int ld, float eps) {
-  pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
-  pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
+__device__ __forceinline__ void norm_row_vec(const T* __restrict__ x, const T* __restrict__ delta,
+                                             const T* __restrict__ w, T* __restrict__ out, T* __restrict__ h_out,
+                                             int D, int ld, float eps, int nt) {
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
-  const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, nv = D / VW;
+  const int row = blockIdx.x, tid = threadIdx.x, nv = tid < nt ? D / VW : 0;
   const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)row * ld);
   const uint4* wr = reinterpret_cast<const uint4*>(w);
   uint4* o = reinterpret_cast<uint4*>(out + (i64)row * D);
@@ -141,7 +142,7 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delt
       }
     }
   }
-  const float inv = inv_rms(ss, part, D, eps);
+  const float inv = inv_rms(ss, part, D, eps, nt);
 #pragma unroll
   for (int k = 0; k < MAXV; ++k) {
     if (tid + k * nt < nv) {
@@ -155,10 +156,33 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delt
     }
   }
 }
+
+// One block of 32·W threads per row (rms_norm_vec's layout, all threads holding the row).
+template <typename T, int MAXV>
+__global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delta, const T* __restrict__ w,
+                             T* __restrict__ out, T* __restrict__ h_out, int D, int ld, float eps) {
+  pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
+  pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
+  norm_row_vec<T, MAXV>(x, delta, w, out, h_out, D, ld, eps, blockDim.x);
+}
+
+// Two RMSNorms of the same N rows in one launch (MLA's q and kv latent norms): grid (N, 2), block y = 0 norms row
+// blockIdx.x of x1 (D1 wide, rows ld1 apart) into out1 with nt1 threads, y = 1 the same of x2. Each with the thread
+// count its own rms_norm_vec launch has, so each result equals that launch's bit for bit.
+template <typename T, int MAXV>
+__global__ void rms_norm_pair(const T* __restrict__ x1, const T* __restrict__ w1, T* __restrict__ out1, int D1,
+                              int ld1, int nt1, const T* __restrict__ x2, const T* __restrict__ w2,
+                              T* __restrict__ out2, int D2, int ld2, int nt2, float eps) {
+  pdl_trigger();  // the projection after it may start streaming its weights; it waits for our output
+  pdl_wait();
+  if (blockIdx.y == 0) norm_row_vec<T, MAXV>(x1, nullptr, w1, out1, nullptr, D1, ld1, eps, nt1);
+  else norm_row_vec<T, MAXV>(x2, nullptr, w2, out2, nullptr, D2, ld2, eps, nt2);
+}
 """
 PDL = True  # launched by programmatic dependent launch: resident while the kernel before it finishes
 VEC_CHUNKS = 4  # rms_norm_vec's MAXV: 16-byte chunks per thread, so rows up to 4·16·1024 bytes (32768 bf16)
-NAMES = ("rms_norm<float>", "rms_norm<u16>", f"rms_norm_vec<float, {VEC_CHUNKS}>", f"rms_norm_vec<u16, {VEC_CHUNKS}>")
+NAMES = ("rms_norm<float>", "rms_norm<u16>", *(f"{k}<{t}, {VEC_CHUNKS}>" for k in ("rms_norm_vec", "rms_norm_pair")
+                                               for t in ("float", "u16")))
 ELEMS_PER_WARP = 512  # a row gets one warp per 512 elements, 1 to 8 (H200: a 7168-wide row in 17 us as one warp)
 _TYPE = {torch.float32: "float", torch.bfloat16: "u16"}
 
@@ -208,6 +232,33 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return h, out
 
 
+def rms_norm_pair(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x1, w1, eps), rms_norm(x2, w2, eps)) in one launch, bit for bit: MLA's q and kv latent norms,
+    both column blocks of the fused q/kv latent projection's output, which otherwise take a launch each on the
+    verify step's critical path. x1 [N, D1], x2 [N, D2]: the same N, each contiguous or a column block of wider
+    rows. Off the 16-byte path: two launches."""
+    assert x1.dim() == 2 and x2.dim() == 2 and x1.shape[0] == x2.shape[0], (x1.shape, x2.shape)
+    ld1, ld2 = _row_stride(x1), _row_stride(x2)
+    out1, out2 = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (x1, x2))
+    if (ld1 is None or ld2 is None or x1.dtype != x2.dtype or not _vectorizable(x1, ld1, w1, out1)
+            or not _vectorizable(x2, ld2, w2, out2)):
+        return rms_norm(x1, w1, eps), rms_norm(x2, w2, eps)
+    for x, w in ((x1, w1), (x2, w2)):
+        assert w.shape == (x.shape[1],) and w.dtype == x.dtype and w.is_contiguous(), (w.shape, w.dtype)
+    if x1.shape[0]:
+        nt1, nt2 = 32 * _vec_warps(x1), 32 * _vec_warps(x2)
+        ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_pair<{_TYPE[x1.dtype]}, {VEC_CHUNKS}>"]
+        launch(ker, (x1.shape[0], 2), max(nt1, nt2), x1, w1, out1, x1.shape[1], ld1, nt1, x2, w2, out2,
+               x2.shape[1], ld2, nt2, float(eps), pdl=PDL)
+    return out1, out2
+
+
+def rms_norm_pair_ref(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_ref(x1, w1, eps), rms_norm_ref(x2, w2, eps)
+
+
 def _warps(D: int) -> int:
     return min(8, max(1, D // ELEMS_PER_WARP))
 
@@ -223,10 +274,14 @@ def _launch_vec(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
                 h_out: torch.Tensor | None, ld: int, eps: float) -> None:
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
-    chunks = D * x.element_size() // 16
-    warps = max(_warps(D), -(-chunks // (32 * VEC_CHUNKS)))  # every chunk in one thread's registers
     launch(get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], out.numel() // D,
-           32 * warps, x, delta, weight, out, h_out, D, ld, float(eps), pdl=PDL)
+           32 * _vec_warps(x), x, delta, weight, out, h_out, D, ld, float(eps), pdl=PDL)
+
+
+def _vec_warps(x: torch.Tensor) -> int:
+    """rms_norm_vec's warps for x's rows: one per ELEMS_PER_WARP, and enough that every chunk fits in registers."""
+    chunks = x.shape[-1] * x.element_size() // 16
+    return max(_warps(x.shape[-1]), -(-chunks // (32 * VEC_CHUNKS)))
 
 
 def _row_stride(x: torch.Tensor) -> int | None:

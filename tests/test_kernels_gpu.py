@@ -13,7 +13,7 @@ from kernels.kv_commit import kv_commit, kv_commit_ref
 from kernels import mla_tree_attention as mla_mod
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
 from kernels.moe_w4a16 import moe_w4a16, moe_w4a16_ref
-from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_pair, rms_norm_pair_ref, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 from kernels.tree_accept import tree_accept, tree_accept_ref
 
@@ -559,6 +559,28 @@ def test_add_rms_norm(shape, dtype):
     err, scale = float((got.float() - want.float()).abs().max()), float(want.float().abs().max())
     assert err <= (1e-5 if dtype == torch.float32 else 2**-7) * scale, (err, scale)
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17, 63])
+@pytest.mark.parametrize("blocks", [((0, 1536), (1536, 2048)), ((0, 512), (512, 2048)), ((0, 64), (64, 2112)),
+                                    ((3, 515), (1536, 2048))])  # (3, 515): off the 16-byte path, two launches
+def test_rms_norm_pair(rows, blocks, dtype):
+    """Two column blocks of the fused q/kv latent projection's output normed in one launch (K2.6: q 1536 and
+    kv 512 wide, other widths give the two blocks different thread counts): each equals its own rms_norm
+    launch bit for bit and the reference within test_rms_norm's tolerances; NaN-poisoned outputs all written."""
+    g = torch.Generator("cuda").manual_seed(rows * 1000 + blocks[0][1])
+    wide = (torch.randn(rows, 2112, generator=g, device="cuda") * 3).to(dtype)
+    (a0, a1), (b0, b1) = blocks
+    x1, x2 = wide[:, a0:a1], wide[:, b0:b1]
+    w1, w2 = ((1 + 0.5 * torch.randn(x.shape[1], generator=g, device="cuda")).to(dtype) for x in (x1, x2))
+    poison_allocator()
+    got = rms_norm_pair(x1, w1, x2, w2, 1e-6)
+    for y, x, w, want in zip(got, (x1, x2), (w1, w2), rms_norm_pair_ref(x1, w1, x2, w2, 1e-6)):
+        assert y.is_contiguous() and y.shape == x.shape
+        assert torch.equal(y, rms_norm(x, w, 1e-6))
+        err, scale = float((y.float() - want.float()).abs().max()), float(want.float().abs().max())
+        assert err <= (1e-5 if dtype == torch.float32 else 2**-7) * scale, (err, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

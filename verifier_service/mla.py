@@ -91,10 +91,16 @@ def _projections(
     (the rope part of kv is not normalized). fused: kernels for the norms and few-row projections."""
     heads, q_lora = w.q_b_proj.shape[0] // cfg.qk_head_dim, w.q_a_proj.shape[0]
     qkv = project(x, w.qkv_a_proj, fused)  # [T, q_lora + kv_lora + rope]
-    q_lat = rms_norm(qkv[:, :q_lora], w.q_a_layernorm, LATENT_NORM_EPS, fused)  # [T, q_lora]
-    q = project(q_lat, w.q_b_proj, fused).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
     kv = qkv[:, q_lora:]  # [T, kv_lora + rope], rows q_lora + kv_lora + rope apart
-    c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS, fused)  # [T, kv_lora]
+    if fused:  # both latent norms in one launch: one link fewer in the step's chain of small kernels
+        from kernels.rms_norm import rms_norm_pair
+
+        q_lat, c = rms_norm_pair(qkv[:, :q_lora], w.q_a_layernorm, kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm,
+                                 LATENT_NORM_EPS)
+    else:
+        q_lat = rms_norm(qkv[:, :q_lora], w.q_a_layernorm, LATENT_NORM_EPS)  # [T, q_lora]
+        c = rms_norm(kv[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_NORM_EPS)  # [T, kv_lora]
+    q = project(q_lat, w.q_b_proj, fused).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
     return q, kv, c
 
 
