@@ -266,6 +266,43 @@ def bench_mla(copy_bw: float, configs: tuple = (None,)) -> list[dict]:
     return rows
 
 
+def bench_norms(copy_bw: float) -> list[dict]:
+    """rms_norm (hidden and latent widths), add_rms_norm (against torch's add + the kernel) and rms_norm_pair
+    (MLA's two latent norms in one launch, against the two launches it replaces)."""
+    from kernels.rms_norm import (add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_pair, rms_norm_pair_ref,
+                                  rms_norm_ref)
+
+    rows = []
+    for T, D in ((1, K26["H"]), (33, K26["H"]), (33, 1536), (33, 512), (4096, K26["H"])):  # hidden, q/kv latents
+        xs = [torch.randn(T, D, device="cuda").bfloat16() for _ in range(8)]
+        w = torch.randn(D, device="cuda").bfloat16()
+        t = gpu_time([lambda x=x: rms_norm(x, w, 1e-6) for x in xs])
+        t_ref = gpu_time([lambda x=x: rms_norm_ref(x, w, 1e-6) for x in xs])  # graphed too: ~6 launches
+        rows.append(result_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
+    for T in (1, 17, 65):  # a decoder layer's residual add + norm: one launch, against torch's add + the kernel
+        D = K26["H"]
+        xs = [(torch.randn(T, D, device="cuda").bfloat16(), torch.randn(T, D, device="cuda").bfloat16())
+              for _ in range(8)]
+        w = torch.randn(D, device="cuda").bfloat16()
+        t = gpu_time([lambda x=x, d=d: add_rms_norm(x, d, w, 1e-6) for x, d in xs])
+        t_two = gpu_time([lambda x=x, d=d: rms_norm(x + d, w, 1e-6) for x, d in xs])
+        t_ref = gpu_time([lambda x=x, d=d: add_rms_norm_ref(x, d, w, 1e-6) for x, d in xs])
+        nbytes = 4 * T * D * 2 + D * 2  # x, delta in; h, out
+        rows.append(result_row("add_rms_norm", f"rows={T} width={D}", t, nbytes, copy_bw, t_ref))
+        rows.append(result_row("add_rms_norm", f"rows={T} torch add + rms_norm kernel", t_two, nbytes, copy_bw, t_ref))
+    q, kv = 1536, 512  # K2.6's latent widths, column blocks of the fused [T, 2112] q/kv latent projection
+    w1, w2 = (torch.randn(d, device="cuda").bfloat16() for d in (q, kv))
+    for T in (1, 16, 64):
+        xs = [torch.randn(T, 2112, device="cuda").bfloat16() for _ in range(8)]
+        t = gpu_time([lambda x=x: rms_norm_pair(x[:, :q], w1, x[:, q:q + kv], w2, 1e-6) for x in xs])
+        t_two = gpu_time([lambda x=x: (rms_norm(x[:, :q], w1, 1e-6), rms_norm(x[:, q:q + kv], w2, 1e-6)) for x in xs])
+        t_ref = gpu_time([lambda x=x: rms_norm_pair_ref(x[:, :q], w1, x[:, q:q + kv], w2, 1e-6) for x in xs])
+        nbytes = 2 * T * (q + kv) * 2 + (q + kv) * 2
+        rows.append(result_row("rms_norm_pair", f"rows={T} widths={q}+{kv}", t, nbytes, copy_bw, t_ref))
+        rows.append(result_row("rms_norm_pair", f"rows={T} two rms_norm launches", t_two, nbytes, copy_bw, t_ref))
+    return rows
+
+
 def bench_small(copy_bw: float) -> list[dict]:
     from kernels.kv_commit import kv_commit, kv_commit_ref
     from kernels.tree_accept import tree_accept, tree_accept_ref
@@ -286,27 +323,7 @@ def bench_small(copy_bw: float) -> list[dict]:
         t = gpu_time([lambda: tree_accept(tokens, parents, target)] * 20)
         t_ref = gpu_time([lambda: tree_accept_ref(tokens, parents, target)], reps=3, graph=False)
         rows.append(result_row("tree_accept", f"sessions={S} nodes={N}", t, tokens.nbytes * 3, copy_bw, t_ref))
-    from kernels.rms_norm import rms_norm, rms_norm_ref
-
-    for T, D in ((1, K26["H"]), (33, K26["H"]), (33, 1536), (33, 512), (4096, K26["H"])):  # hidden, q/kv latents
-        xs = [torch.randn(T, D, device="cuda").bfloat16() for _ in range(8)]
-        w = torch.randn(D, device="cuda").bfloat16()
-        t = gpu_time([lambda x=x: rms_norm(x, w, 1e-6) for x in xs])
-        t_ref = gpu_time([lambda x=x: rms_norm_ref(x, w, 1e-6) for x in xs])  # graphed too: ~6 launches
-        rows.append(result_row("rms_norm", f"rows={T} width={D}", t, 2 * T * D * 2 + D * 2, copy_bw, t_ref))
-    from kernels.rms_norm import add_rms_norm, add_rms_norm_ref
-
-    for T in (1, 17, 65):  # a decoder layer's residual add + norm: one launch, against torch's add + the kernel
-        D = K26["H"]
-        xs = [(torch.randn(T, D, device="cuda").bfloat16(), torch.randn(T, D, device="cuda").bfloat16())
-              for _ in range(8)]
-        w = torch.randn(D, device="cuda").bfloat16()
-        t = gpu_time([lambda x=x, d=d: add_rms_norm(x, d, w, 1e-6) for x, d in xs])
-        t_two = gpu_time([lambda x=x, d=d: rms_norm(x + d, w, 1e-6) for x, d in xs])
-        t_ref = gpu_time([lambda x=x, d=d: add_rms_norm_ref(x, d, w, 1e-6) for x, d in xs])
-        nbytes = 4 * T * D * 2 + D * 2  # x, delta in; h, out
-        rows.append(result_row("add_rms_norm", f"rows={T} width={D}", t, nbytes, copy_bw, t_ref))
-        rows.append(result_row("add_rms_norm", f"rows={T} torch add + rms_norm kernel", t_two, nbytes, copy_bw, t_ref))
+    rows += bench_norms(copy_bw)
     from kernels.moe_gate import moe_gate, moe_gate_ref
 
     gate = torch.randn(K26["E"], K26["H"], device="cuda") * K26["H"] ** -0.5  # fp32, as K2.6 keeps it
