@@ -191,7 +191,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
              sin: torch.Tensor | None = None) -> torch.Tensor:
     D = x.shape[-1]
     assert x.is_cuda and x.dtype in _TYPE, (x.shape, x.dtype)
-    assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
+    _check_weight(x, weight)
     ld = _row_stride(x) if cos is None else None
     if ld is None:  # the general kernel (and RoPE) reads contiguous rows
         x, ld = x.contiguous(), D
@@ -244,8 +244,8 @@ def rms_norm_pair(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torc
     if (ld1 is None or ld2 is None or x1.dtype != x2.dtype or not _vectorizable(x1, ld1, w1, out1)
             or not _vectorizable(x2, ld2, w2, out2)):
         return rms_norm(x1, w1, eps), rms_norm(x2, w2, eps)
-    for x, w in ((x1, w1), (x2, w2)):
-        assert w.shape == (x.shape[1],) and w.dtype == x.dtype and w.is_contiguous(), (w.shape, w.dtype)
+    _check_weight(x1, w1)
+    _check_weight(x2, w2)
     if x1.shape[0]:
         nt1, nt2 = 32 * _vec_warps(x1), 32 * _vec_warps(x2)
         ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_pair<{_TYPE[x1.dtype]}, {VEC_CHUNKS}>"]
@@ -257,6 +257,11 @@ def rms_norm_pair(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torc
 def rms_norm_pair_ref(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return rms_norm_ref(x1, w1, eps), rms_norm_ref(x2, w2, eps)
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    assert weight.shape == (x.shape[-1],) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape,
+                                                                                                 weight.dtype)
 
 
 def _warps(D: int) -> int:
@@ -273,7 +278,7 @@ def _vectorizable(x: torch.Tensor, ld: int, weight: torch.Tensor, out: torch.Ten
 def _launch_vec(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                 h_out: torch.Tensor | None, ld: int, eps: float) -> None:
     D = x.shape[-1]
-    assert weight.shape == (D,) and weight.dtype == x.dtype and weight.is_contiguous(), (weight.shape, weight.dtype)
+    _check_weight(x, weight)
     launch(get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_vec<{_TYPE[x.dtype]}, {VEC_CHUNKS}>"], out.numel() // D,
            32 * _vec_warps(x), x, delta, weight, out, h_out, D, ld, float(eps), pdl=PDL)
 
