@@ -55,13 +55,14 @@ class Trace:
 def matched_nodes(tokens, parents, following: list[int]) -> np.ndarray:
     """following = the target's tokens after the root. Node i matches iff its parent does and its token is
     following[depth(i) - 1]."""
-    n = len(tokens)
-    ok, depth = np.zeros(n + 1, dtype=bool), np.zeros(n + 1, dtype=np.int64)
+    from verifier_service.acceptance import tree_depths
+
+    parents = [int(p) for p in parents]
+    depth = tree_depths(parents)
+    ok = np.zeros(len(parents) + 1, dtype=bool)
     ok[0] = True
-    for i in range(1, n + 1):
-        p = int(parents[i - 1])
-        depth[i] = depth[p] + 1
-        ok[i] = ok[p] and depth[i] <= len(following) and int(tokens[i - 1]) == following[depth[i] - 1]
+    for i in range(1, len(parents) + 1):
+        ok[i] = ok[parents[i - 1]] and depth[i] <= len(following) and int(tokens[i - 1]) == following[depth[i] - 1]
     return ok[1:]
 
 
