@@ -7,7 +7,7 @@ import importlib
 import sys
 
 MODULES = ("moe_w4a16", "moe_gate", "mla_tree_attention", "mla_rope", "ddtree_build", "tree_accept", "kv_commit",
-           "rms_norm", "skinny_linear", "skinny_gemm", "silu_mul", "dflash_attention")
+           "rms_norm", "skinny_linear", "skinny_gemm", "silu_mul", "dflash_attention", "all_reduce")
 
 
 def check(archs: list[str]) -> int:

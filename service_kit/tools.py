@@ -48,7 +48,7 @@ def _health_cmd(args) -> int:
 
 def add_parsers(sub) -> None:
     from drafter_service import bench_draft
-    from kernels import cli as kernels_cli  # light imports: no torch until a command runs
+    from kernels import bench_all_reduce, cli as kernels_cli  # light imports: no torch until a command runs
     from tools import bench_grammar, bench_spec, budget_replay
     from verifier_service import bench_verify
 
@@ -57,6 +57,7 @@ def add_parsers(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     kernels_cli.add_bench_parser(bsub)
     bench_verify.add_parser(bsub)
+    bench_all_reduce.add_parser(bsub)
     bench_draft.add_parser(bsub)
     bench_spec.add_parser(bsub)
     bench_grammar.add_parser(bsub)

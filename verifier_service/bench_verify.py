@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -54,6 +55,9 @@ def add_parser(bsub) -> None:
                         "default (--no-split-replicated: replicated on every rank)")
     p.add_argument("--routing", default="model", choices=("model", "uniform"),
                    help="model: the synthetic router's choice; uniform: its cost, but uniform random top-k ids")
+    p.add_argument("--one-shot-all-reduce-kb", type=int, default=VerifierConfig.one_shot_all_reduce_kb,
+                   help="under torchrun: all-reduces up to this many KiB by kernels/all_reduce (the verifier's "
+                        "flag); 0 = NCCL for all")
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.set_defaults(func=main)
 
@@ -183,21 +187,23 @@ def touched_experts(model: K2Model, plan, kv: torch.Tensor, experts: range) -> f
     return sum(counts) / max(len(counts), 1)
 
 
-def setup_ranks(ep_size: int):
-    """Under torchrun (RANK set): NCCL ranks, each holding its own slice -> (rank, world, all_reduce).
-    Otherwise one GPU simulating rank 0 of `ep_size` without collectives."""
+def setup_ranks(ep_size: int, one_shot_kb: int):
+    """Under torchrun (RANK set): NCCL ranks, each holding its own slice -> (rank, world, all_reduce), the
+    all-reduces up to `one_shot_kb` KiB by kernels/all_reduce as the verifier runs them. Otherwise one GPU
+    simulating rank 0 of `ep_size` without collectives."""
     info = ranks.RankInfo.from_env()
     if info is None:
         return 0, ep_size, identity
-    torch.cuda.set_device(info.local_rank)
-    torch.distributed.init_process_group("nccl", rank=info.rank, world_size=info.world_size)
-    return info.rank, info.world_size, ranks.all_reduce
+    device = torch.device("cuda", info.local_rank)
+    control = ranks.Control(info, device, VerifierConfig.collective_timeout_s)
+    peers = ranks.open_peers(control, device, one_shot_kb, VerifierConfig.collective_timeout_s)
+    return info.rank, info.world_size, functools.partial(ranks.all_reduce, peers=peers)
 
 
 def main(args) -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     cfg = k26_config(args.layers)
-    rank, world, reduce = setup_ranks(args.ep_size)
+    rank, world, reduce = setup_ranks(args.ep_size, args.one_shot_all_reduce_kb)
     experts = split_range(cfg.n_routed_experts, rank, world)
     heads = split_range(cfg.num_attention_heads, rank, world)
     split = Split(rank, world) if args.split_replicated else None
@@ -216,7 +222,10 @@ def main(args) -> int:
         cache.table.extend(f"s{i}", args.prefix)
     cache.kv.normal_()
     bw = copy_bandwidth()
-    collectives = "NCCL all-reduces" if world > 1 and reduce is not identity else "no collectives"
+    collectives = "no collectives"
+    if reduce is not identity:
+        peers = reduce.keywords["peers"]
+        collectives = f"one-shot all-reduces up to {peers.max_bytes // 1024} KiB, NCCL above" if peers else "NCCL"
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
         f"{len(experts)} experts, {len(heads)} heads, {layout}, {args.sessions} session(s) of prefix {args.prefix}, "
@@ -238,7 +247,7 @@ def main(args) -> int:
         routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw
         row = dict(rows=rows, sessions=args.sessions, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
                    touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
-                   layers=args.layers, ranks=world, collectives=world > 1 and reduce is not identity,
+                   layers=args.layers, ranks=world, collectives=collectives,
                    split_replicated=split is not None,
                    prefix=args.prefix, gpu=torch.cuda.get_device_name())
         out_rows.append(row)

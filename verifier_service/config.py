@@ -61,6 +61,9 @@ class VerifierConfig(ServerConfig):
                                     "replicated on every rank (no embedding all-reduce, no logits all-gather)")
     kernels: bool = option(True, "run the CUDA kernels on GPU (false: the torch reference path, for debugging)")
     cuda_graphs: bool = option(True, "replay the GPU forward from CUDA graphs per row bucket (false: eager)")
+    one_shot_all_reduce_kb: int = option(1024, "at world size > 1 on GPUs, all-reduces up to this many KiB run as one "
+                                         "NVLink push and one local sum (kernels/all_reduce.py) instead of NCCL's "
+                                         "ring; 0 = NCCL for all")
     collective_timeout_s: float = option(60.0, "a rank's collective waiting longer than this fails the verifier")
     force_accept_depth: int = option(0, "TEST ONLY, breaks losslessness: accept the drafted path down to this "
                                      "depth whatever the target says (then the target's bonus), to time steps "
@@ -72,8 +75,8 @@ class VerifierConfig(ServerConfig):
             raise ValueError("model: a checkpoint directory is required (--model), or --synthetic PRESET")
         if self.synthetic and self.synthetic not in SYNTHETIC_PRESETS:
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
-        if self.synthetic_layers < 0 or self.force_accept_depth < 0 or self.torch_threads < 0:
-            raise ValueError("synthetic_layers, force_accept_depth, torch_threads: must be >= 0")
+        if min(self.synthetic_layers, self.force_accept_depth, self.torch_threads, self.one_shot_all_reduce_kb) < 0:
+            raise ValueError("synthetic_layers, force_accept_depth, torch_threads, one_shot_all_reduce_kb: must be >= 0")
         busy_poll.check_ms(self.busy_poll_ms)
         if self.world_size < 1:
             raise ValueError("world_size: must be >= 1")

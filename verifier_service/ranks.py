@@ -140,14 +140,35 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (partial o_proj outputs, partial expert outputs). fp32 on CPU gloo for bf16."""
+def all_reduce(t: torch.Tensor, peers=None) -> torch.Tensor:
+    """Sum over ranks (partial o_proj outputs, partial expert outputs). fp32 on CPU gloo for bf16.
+    peers: the ranks' kernels/all_reduce PeerBuffers (`open_peers`); inputs it fits take the one-shot kernel."""
+    if peers is not None and peers.fits(t):
+        from kernels.all_reduce import one_shot_all_reduce
+
+        return one_shot_all_reduce(t, peers)
     if t.device.type == "cpu" and t.dtype == torch.bfloat16:
         f = t.float()
         dist.all_reduce(f)
         return f.to(t.dtype)
     dist.all_reduce(t)
     return t
+
+
+def open_peers(control: Control, device: torch.device, max_kb: int, timeout_s: float):
+    """The one-shot all-reduce's IPC buffers (kernels/all_reduce.py) for inputs up to `max_kb` KiB, or None: on
+    CPU, with max_kb 0, or where the GPUs cannot map each other's memory (NCCL then carries every sum). Every
+    rank must call it (a collective)."""
+    if device.type != "cuda" or max_kb <= 0:
+        return None
+    from kernels.all_reduce import PeerBuffers
+
+    info = control.info
+    try:
+        return PeerBuffers.open(info.rank, info.world_size, device, control.gather, max_kb * 1024, timeout_s)
+    except RuntimeError as e:  # every rank fails alike: no peer access between these GPUs
+        log.warning("one_shot_all_reduce_off", rank=info.rank, error=str(e))
+        return None
 
 
 def all_gather_columns(sizes: list[int]):

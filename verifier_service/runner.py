@@ -8,6 +8,7 @@ collectives inside the forward line up and the replicated caches stay identical.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -49,7 +50,10 @@ class Runner:
         split = config.split_replicated and world > 1
         weights = self._weights(config, split)
         vocab_sizes = [len(ranks.split_rows(self.cfg.vocab_size, r, world)) for r in range(world)]
-        self.model = K2Model(self.cfg, weights, all_reduce=ranks.all_reduce if world > 1 else identity,
+        self.peers = None if self.control is None else ranks.open_peers(
+            self.control, self.device, config.one_shot_all_reduce_kb, config.collective_timeout_s)
+        reduce = functools.partial(ranks.all_reduce, peers=self.peers) if world > 1 else identity
+        self.model = K2Model(self.cfg, weights, all_reduce=reduce,
                              all_gather=ranks.all_gather_columns(vocab_sizes) if split else identity,
                              use_kernels=config.kernels and self.device.type == "cuda")
         self.weight_bytes = weight_nbytes(weights)
