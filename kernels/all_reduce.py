@@ -157,11 +157,16 @@ class PeerBuffers:
         assert 1 < world <= MAX_RANKS and max_bytes % 16 == 0 and max_bytes > 0
         _rt(rt.cudaSetDevice(device.index))
         size = 2 * world * max_bytes + world * BLOCKS * 4
-        ptr = _rt(rt.cudaMalloc(size))
-        _rt(rt.cudaMemset(ptr, 0, size))
-        _rt(rt.cudaDeviceSynchronize())
-        handle = _rt(rt.cudaIpcGetMemHandle(ptr))
-        raw = gather(ctypes.string_at(handle.getPtr(), 64))
+        try:
+            ptr = _rt(rt.cudaMalloc(size))
+            _rt(rt.cudaMemset(ptr, 0, size))
+            _rt(rt.cudaDeviceSynchronize())
+            blob = ctypes.string_at(_rt(rt.cudaIpcGetMemHandle(ptr)).getPtr(), 64)
+        except RuntimeError:
+            blob = None  # still joins the gather, so that no rank waits in it for this one
+        raw = gather(blob)
+        if any(b is None for b in raw):
+            raise RuntimeError(f"ranks {[q for q, b in enumerate(raw) if b is None]} could not export a buffer")
         mapped = []
         for q, blob in enumerate(raw):
             if q == rank:

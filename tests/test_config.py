@@ -42,6 +42,7 @@ def test_bools_and_choices(monkeypatch):
     (["--synthetic", "k27"], "synthetic"),
     (["--model", "m", "--force-accept-depth", "-1"], "force_accept_depth"),
     (["--model", "m", "--torch-threads", "-1"], "torch_threads"),
+    (["--model", "m", "--one-shot-all-reduce-kb", "-1"], "one_shot_all_reduce_kb"),
     (["--model", "m", "--busy-poll-ms", "-2"], "busy_poll_ms"),
 ])
 def test_invalid_values_name_the_field(argv, field):

@@ -165,10 +165,14 @@ def open_peers(control: Control, device: torch.device, max_kb: int, timeout_s: f
 
     info = control.info
     try:
-        return PeerBuffers.open(info.rank, info.world_size, device, control.gather, max_kb * 1024, timeout_s)
-    except RuntimeError as e:  # every rank fails alike: no peer access between these GPUs
+        peers = PeerBuffers.open(info.rank, info.world_size, device, control.gather, max_kb * 1024, timeout_s)
+    except RuntimeError as e:  # e.g. no peer access between these GPUs
         log.warning("one_shot_all_reduce_off", rank=info.rank, error=str(e))
+        peers = None
+    if not all(control.gather(peers is not None)):  # all ranks one way, or a sum would wait forever
         return None
+    log.info("one_shot_all_reduce_on", rank=info.rank, max_kb=max_kb)
+    return peers
 
 
 def all_gather_columns(sizes: list[int]):
