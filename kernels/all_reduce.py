@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels._compile import cuda_source, get_kernels, launch
+from kernels._compile import _check, cuda_source, get_kernels, launch
 
 BLOCKS, THREADS, MAX_RANKS = 32, 256, 8
 CODE = r"""
@@ -207,8 +207,7 @@ def one_shot_all_reduce_ref(t: torch.Tensor, peers: PeerBuffers) -> torch.Tensor
 
 
 def _rt(result):
-    """cuda.bindings.runtime's (error, value...) -> value; raises on an error."""
+    """cuda.bindings.runtime's (error, value...) -> value; raises on an error (`_compile._check`)."""
     err, *value = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA runtime error {err!r}")
+    _check(err)
     return value[0] if len(value) == 1 else None

@@ -188,22 +188,23 @@ def touched_experts(model: K2Model, plan, kv: torch.Tensor, experts: range) -> f
 
 
 def setup_ranks(ep_size: int, one_shot_kb: int):
-    """Under torchrun (RANK set): NCCL ranks, each holding its own slice -> (rank, world, all_reduce), the
-    all-reduces up to `one_shot_kb` KiB by kernels/all_reduce as the verifier runs them. Otherwise one GPU
-    simulating rank 0 of `ep_size` without collectives."""
+    """Under torchrun (RANK set): NCCL ranks, each holding its own slice -> (rank, world, all_reduce, what carries
+    the sums), the all-reduces up to `one_shot_kb` KiB by kernels/all_reduce as the verifier runs them. Otherwise
+    one GPU simulating rank 0 of `ep_size` without collectives."""
     info = ranks.RankInfo.from_env()
     if info is None:
-        return 0, ep_size, identity
+        return 0, ep_size, identity, "no collectives"
     device = torch.device("cuda", info.local_rank)
     control = ranks.Control(info, device, VerifierConfig.collective_timeout_s)
     peers = ranks.open_peers(control, device, one_shot_kb, VerifierConfig.collective_timeout_s)
-    return info.rank, info.world_size, functools.partial(ranks.all_reduce, peers=peers)
+    carrier = f"one-shot all-reduces up to {one_shot_kb} KiB, NCCL above" if peers else "NCCL"
+    return info.rank, info.world_size, functools.partial(ranks.all_reduce, peers=peers), carrier
 
 
 def main(args) -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     cfg = k26_config(args.layers)
-    rank, world, reduce = setup_ranks(args.ep_size, args.one_shot_all_reduce_kb)
+    rank, world, reduce, collectives = setup_ranks(args.ep_size, args.one_shot_all_reduce_kb)
     experts = split_range(cfg.n_routed_experts, rank, world)
     heads = split_range(cfg.num_attention_heads, rank, world)
     split = Split(rank, world) if args.split_replicated else None
@@ -222,10 +223,6 @@ def main(args) -> int:
         cache.table.extend(f"s{i}", args.prefix)
     cache.kv.normal_()
     bw = copy_bandwidth()
-    collectives = "no collectives"
-    if reduce is not identity:
-        peers = reduce.keywords["peers"]
-        collectives = f"one-shot all-reduces up to {peers.max_bytes // 1024} KiB, NCCL above" if peers else "NCCL"
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
         f"{len(experts)} experts, {len(heads)} heads, {layout}, {args.sessions} session(s) of prefix {args.prefix}, "

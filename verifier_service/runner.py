@@ -50,9 +50,9 @@ class Runner:
         split = config.split_replicated and world > 1
         weights = self._weights(config, split)
         vocab_sizes = [len(ranks.split_rows(self.cfg.vocab_size, r, world)) for r in range(world)]
-        self.peers = None if self.control is None else ranks.open_peers(
+        peers = None if self.control is None else ranks.open_peers(
             self.control, self.device, config.one_shot_all_reduce_kb, config.collective_timeout_s)
-        reduce = functools.partial(ranks.all_reduce, peers=self.peers) if world > 1 else identity
+        reduce = functools.partial(ranks.all_reduce, peers=peers) if world > 1 else identity
         self.model = K2Model(self.cfg, weights, all_reduce=reduce,
                              all_gather=ranks.all_gather_columns(vocab_sizes) if split else identity,
                              use_kernels=config.kernels and self.device.type == "cuda")
