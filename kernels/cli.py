@@ -22,7 +22,7 @@ def check(archs: list[str]) -> int:
             report = resources(compile_cubin(cuda_source(mod.CODE), arch, mod.NAMES))
             for expr in mod.NAMES:
                 r = report.get(expr)
-                if r is None or "regs" not in r:  # some NVRTC versions (13.0) leave a kernel out of ptxas -v
+                if r is None or "regs" not in r:  # a ptxas -v log without this kernel (seen once, NVRTC 13.0)
                     print(f"{name + ':' + expr:<44} {arch:<7} {'n/a':>5}")
                     continue
                 print(f"{name + ':' + expr:<44} {arch:<7} {r['regs']:>5} {r['smem']:>6} {r['stack']:>6} "

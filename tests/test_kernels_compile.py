@@ -55,7 +55,7 @@ def test_compile_error_raises(tmp_path, monkeypatch):
 
 
 def test_check_survives_a_kernel_missing_from_ptxas_report(tmp_path, monkeypatch, capsys):
-    """NVRTC 13.0's ptxas -v log leaves some kernels out (moe_route on the H200 image); check prints n/a."""
+    """A ptxas -v log without a kernel's entry (seen once on the H200 image's NVRTC 13.0, for moe_route) prints n/a."""
     real = _compile.resources
     monkeypatch.setattr(_compile, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(_compile, "resources", lambda c: {k: v for k, v in real(c).items() if k != "moe_route"})
