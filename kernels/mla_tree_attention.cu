@@ -10,8 +10,10 @@
 //   softmax    online, fp32, base 2: every warp of a row group derives the same new row max, keeps its
 //              own partial row sums; P (bf16) and the rescale factor alpha -> smem            | barrier
 //   O += P V   warp w owns value dims 64w..64w+63 of all MT rows (2·MT fp32 accumulators per thread)
-// Shared rows are unpadded (1152 B for Q/K, 128 B for P): 16-byte chunk c of row r sits at chunk
-// c ^ (r & 7) of its 128-byte group, so the eight row addresses of every ldmatrix hit distinct banks.
+// Shared rows are unpadded (1152 B for Q, 128 B for P): 16-byte chunk c of row r sits at chunk c ^ (r & 7) of
+// its 128-byte group, so the eight row addresses of every ldmatrix hit distinct banks. K tiles are slab-major
+// (9 slabs of 64 keys x 128 B, SLAB bytes apart, the same chunk swizzle: what a TMA box of 64 dims x 64 keys with
+// the 128-byte swizzle writes), so whole-prefix tiles come by TMA where the cache's pages hold whole tiles.
 // Splits (gridDim.z > 1) write normalized partial O and base-2 LSE; mla_merge combines them.
 // Keys past a split's end are zero-filled, never read, so NaN in unused cache slots cannot leak.
 
@@ -20,12 +22,15 @@
 #define KT 64     // keys per tile
 #define ROWB 1152 // bytes per Q/K row in smem (72 chunks of 16 B)
 #define PB 128    // bytes per P row in smem (KT bf16)
+#define SLAB 8192 // bytes per K slab in smem (64 keys x 64 dims)
+typedef unsigned long long u64;
 
 template <int MT, int NSTAGE>
 struct Smem {
   unsigned char q[MT * ROWB];
   unsigned char k[NSTAGE][KT * ROWB];
   unsigned char p[MT * PB];
+  u64 bar[NSTAGE];  // per K stage: the mbarrier its TMA loads complete on
   float red[128];  // [KG][MT] (KG·MT = 128): per key group row maxima; at the end, row sums
   float alpha[MT];
   float m[MT];
@@ -64,15 +69,15 @@ __device__ __forceinline__ void copy_row(unsigned char* dst, int row, const u16*
 
 // The same row into the slab-major layout of mla_attn_wgmma (mla_tree_attention_sm90.cu): 9 slabs of 64 rows
 // x 128 B (SLAB bytes apart); thread sub copies chunk sub of each slab, swizzled as above.
-#define SLAB 8192
 __device__ __forceinline__ void copy_row_slabs(unsigned char* dst, int row, const u16* src, bool ok, int sub) {
   unsigned char* d = dst + row * 128 + (((sub ^ row) & 7) << 4);
 #pragma unroll
   for (int i = 0; i < 9; ++i) cp_async16_zfill(d + SLAB * i, src + (ok ? 8 * sub + 64 * i : 0), ok);
 }
 
-// S = Q Kᵀ for this warp's 16 rows x 8·NT keys over 576 dims. acc[n][c]: CH = 4/NT independent
-// chains per n-tile hide the MMA latency. Out: s[n][4] in mma D layout.
+// S = Q Kᵀ for this warp's 16 rows x 8·NT keys over 576 dims. qa: this lane's Q row (row-major); kb: this
+// lane's K row in slab 0 (slab-major). acc[n][c]: CH = 4/NT independent chains per n-tile hide the MMA
+// latency. Out: s[n][4] in mma D layout.
 template <int NT>
 __device__ __forceinline__ void qk_tile(const unsigned char* qa, const unsigned char* kb, int lane, float (&s)[NT][4]) {
   constexpr int CH = 4 / NT;
@@ -86,7 +91,7 @@ __device__ __forceinline__ void qk_tile(const unsigned char* qa, const unsigned 
 #pragma unroll
       for (int i = 0; i < 2; ++i) ldmatrix_x4(a[i], qa + 128 * grp + ((((4 * kp + 2 * i + hi) ^ r7) & 7) << 4));
 #pragma unroll
-      for (int n = 0; n < NT; ++n) ldmatrix_x4(b[n], kb + n * 8 * ROWB + 128 * grp + ((((4 * kp + c4) ^ r7) & 7) << 4));
+      for (int n = 0; n < NT; ++n) ldmatrix_x4(b[n], kb + n * 8 * 128 + SLAB * grp + ((((4 * kp + c4) ^ r7) & 7) << 4));
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -122,7 +127,7 @@ __device__ __forceinline__ void pv_tile(const unsigned char* sp, const unsigned 
     u32 a[RG][4];
 #pragma unroll
     for (int mi = 0; mi < RG; ++mi) ldmatrix_x4(a[mi], sp + (16 * mi + (lane & 15)) * PB + sw);
-    const unsigned char* vrow = kv_tile + (16 * kk + (lane & 15)) * ROWB + 128 * warp;
+    const unsigned char* vrow = kv_tile + SLAB * warp + (16 * kk + (lane & 15)) * 128;  // slab-major tile
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       u32 v[4];
@@ -258,37 +263,108 @@ __device__ __forceinline__ void fetch_refs(int (&ref)[NR], const Seq& sq, int kb
 }
 
 
-// Grid (ceil(R*h / MT), B, splits); block 256; dynamic smem sizeof(Smem<MT, NSTAGE>) (MT=64, NSTAGE=2:
-// 225 KB, one block per SM on sm_90; MT=16, NSTAGE=1: 94 KB, fits sm_120's 99 KB).
+// TMA (sm_90+): a tile wholly inside the committed prefix lies in one page (page_size % 64 == 0) and is fetched
+// as 9 boxes of 64 dims x 64 keys by one thread; the tensor map's 128-byte swizzle writes the slab layout
+// (copy_row_slabs). The stage's mbarrier completes on one arrival plus the tile's 73,728 bytes. 9 instructions
+// instead of 4,608 16-byte cp.async (H200, mla_attn_wgmma, 10 heads x 64 rows x 32K keys: 120.7 -> 107.4 us).
+// Generic-proxy writes to shared memory (st.shared, cp.async) -> ordered with the async proxy (wgmma, TMA).
+__device__ __forceinline__ void fence_async_smem() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_init(u64* bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+// The mbarriers' initialization -> visible to every thread of the block (the barrier after it publishes it).
+__device__ __forceinline__ void mbar_init_fence() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
+      ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_tile(unsigned char* dst, u64* bar, const void* tmap, int slot) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(9 * SLAB)
+               : "memory");
+#pragma unroll
+  for (int s = 0; s < 9; ++s)
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(smem_addr(dst + s * SLAB)), "l"(tmap), "r"(64 * s), "r"(slot), "r"(smem_addr(bar)) : "memory");
+#endif
+}
+
+// Whether the tile at key kb comes by TMA (its load and its wait must agree): a tensor map exists and the tile
+// is all committed prefix (below vis_end = min(L, kend)). Within a block's key range the TMA tiles come first, so
+// no TMA write follows a cp.async write to the same stage (which would need a proxy fence between them).
+__device__ __forceinline__ bool by_tma(const void* tmap, int kb, int vis_end) {
+  return tmap != nullptr && kb + KT <= vis_end;
+}
+
+// The tile at key kb into slab-major K stage st of sm (Smem or SmemWG: k[stage][9 * SLAB], bar[stage]): by TMA from
+// `issuer` (whose ref[0] is the tile's row 0) where a tensor map exists and the tile is all committed prefix,
+// completing on sm.bar[st]; else by cp.async of this thread's rows lr + STRIDE·r. Commits one cp.async group either
+// way, so the stage waits count the same groups.
+template <int NR, int STRIDE = KT / NR, class S>
+__device__ __forceinline__ void load_tile(S& sm, int st, const u16* kv, const void* tmap, const Seq& sq, int kb,
+                                          int vis_end, const int (&ref)[NR], int lr, int sub, bool issuer) {
+  if (by_tma(tmap, kb, vis_end)) {
+    if (issuer) tma_tile(sm.k[st], &sm.bar[st], tmap, key_slot(sq, kb, ref[0]));
+    cp_async_commit();
+  } else {
+    issue_tile<NR, true, STRIDE>(sm.k[st], kv, sq, kb, ref, lr, sub);
+  }
+}
+
+// Grid (ceil(R*h / MT), B, splits); block 256; dynamic smem sizeof(Smem<MT, NSTAGE>) + 1024 (the K stages sit
+// on 1024-byte swizzle atoms for TMA; MT=64, NSTAGE=2: 226 KB, one block per SM on sm_90; MT=16, NSTAGE=1: 95 KB,
+// fits sm_120's 99 KB).
 // Pipeline (NSTAGE=2): tiles 0 and 1 are issued before the loop; at the top of tile it >= 1 tile it+1
 // goes into the buffer tile it-1 freed. The slots of the next tile to issue are fetched a tile ahead
-// (key_refs), so no page-table load latency sits on the issue path.
+// (key_refs), so no page-table load latency sits on the issue path. Whole-prefix tiles come by TMA (thread 0)
+// where tmap is given (MT <= 32; MT = 64 has no registers to spare), the others by cp.async.
 // q [T*h, 576] bf16; kv [slots, 576] bf16 (one layer); page_table [B, npages]; prefix_lens [B];
 // row_starts [B+1]; tree_mask [T, R] bool; write_slots [T]. scale2 = softmax_scale * log2(e).
 // splits == 1: out [T*h, 512] bf16. splits > 1: o_part [splits, T*h, 512] fp32, lse_part [splits, T*h].
+// tmap: the cache's CUtensorMap (mla_tree_attention._tensor_map) or null (cp.async only).
 template <int MT, int NSTAGE>
 __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     const u16* __restrict__ q, const u16* __restrict__ kv, const i64* __restrict__ page_table, int npages,
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
     float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part,
-    float* __restrict__ lse_part) {
+    float* __restrict__ lse_part, const void* tmap) {
   constexpr int RG = MT / 16, KG = 8 / RG, NT = RG;
   pdl_trigger();  // the merge's blocks may become resident; they wait for this grid before reading it
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  Smem<MT, NSTAGE>& sm = *reinterpret_cast<Smem<MT, NSTAGE>*>(smem_raw);
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Smem<MT, NSTAGE>& sm =
+      *reinterpret_cast<Smem<MT, NSTAGE>*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   const int lr = tid >> 3, sub = tid & 7;
   Seq sq = block_seq(page_table, npages, page_size, prefix_lens, row_starts, write_slots, h, MT);
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
+  if (MT == 64) tmap = nullptr;
+  if (tmap != nullptr && tid == 0) {  // thread 0 issues the TMA tiles; the barrier before the loop publishes these
+    for (int st = 0; st < NSTAGE; ++st) mbar_init(&sm.bar[st]);
+    mbar_init_fence();
+  }
 
   // The first one or two tiles are issued before the loop. At MT <= 32 (decode, 2-3-row trees) those wholly inside
   // the committed prefix go before griddepcontrol.wait: no kernel of a step writes committed keys (mla_rope writes
   // the tree rows' slots), so under programmatic dependent launch their DRAM latency overlaps the kernel before
   // this one. Q and the tiles holding tree rows wait for it. Commit groups: [prefix tiles] [Q (+ tile 0)] [later
   // tiles]. MT = 64 keeps the plain order (its 255 registers have none to spare: 24 B of spills otherwise).
-  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT;
+  const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);
   const int first = NSTAGE == 2 && ntiles > 1 ? 2 : 1;
   int ref[2];  // key_refs of this thread's rows of the next tile to issue (plan data: readable before the wait)
   bool tile1_after_q = first == 2;  // tile 1's commit group is younger than Q's
@@ -299,17 +375,17 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
       copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
     }
     fetch_refs<2>(ref, sq, sq.kbeg, lr);
-    issue_tile<2>(sm.k[0], kv, sq, sq.kbeg, ref, lr, sub);  // commits Q with it
+    issue_tile<2, true>(sm.k[0], kv, sq, sq.kbeg, ref, lr, sub);  // commits Q with it
     fetch_refs<2>(ref, sq, sq.kbeg + KT, lr);
     if (first == 2) {
-      issue_tile<2>(sm.k[1], kv, sq, sq.kbeg + KT, ref, lr, sub);
+      issue_tile<2, true>(sm.k[1], kv, sq, sq.kbeg + KT, ref, lr, sub);
       fetch_refs<2>(ref, sq, sq.kbeg + 2 * KT, lr);
     }
   } else {
     const int early = (sq.kbeg + KT <= sq.L) + (first == 2 && sq.kbeg + 2 * KT <= sq.L);
     fetch_refs<2>(ref, sq, sq.kbeg, lr);
     for (int i = 0; i < early; ++i) {
-      issue_tile<2>(sm.k[i], kv, sq, sq.kbeg + i * KT, ref, lr, sub);
+      load_tile<2>(sm, i, kv, tmap, sq, sq.kbeg + i * KT, vis_end, ref, lr, sub, tid == 0);
       fetch_refs<2>(ref, sq, sq.kbeg + (i + 1) * KT, lr);
     }
     pdl_wait();
@@ -319,10 +395,11 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     }
     if (early) cp_async_commit();  // Q's own group; else it goes with tile 0's
     for (int i = early; i < first; ++i) {
-      issue_tile<2>(sm.k[i], kv, sq, sq.kbeg + i * KT, ref, lr, sub);
+      load_tile<2>(sm, i, kv, tmap, sq, sq.kbeg + i * KT, vis_end, ref, lr, sub, tid == 0);
       fetch_refs<2>(ref, sq, sq.kbeg + (i + 1) * KT, lr);
     }
     tile1_after_q = first - (early > 1 ? early : 1) == 1;
+    if (tmap != nullptr) __syncthreads();  // the mbarriers' init, before any thread waits on them
   }
 
   const int rg = warp % RG, kg = warp / RG, ra = 16 * rg + g;  // S role: rows ra, ra + 8
@@ -330,19 +407,20 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   const int tm1 = sq.q0 + ra + 8 < sq.q_end ? (sq.q0 + ra + 8) / h * R : -1;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   float o[RG][8][4] = {};
-  const int vis_end = min(sq.L, sq.kend);  // keys below it are visible to every query
+  u32 parity = 0;  // bit st: the phase stage st's mbarrier completes next
   for (int it = 0; it < ntiles; ++it) {
     const int buf = NSTAGE == 2 ? it & 1 : 0;
     const int kb = sq.kbeg + it * KT;
     if (it == 0 && tile1_after_q) cp_async_wait<1>();  // tile 1 may still be on its way
     else cp_async_wait<0>();
+    if (by_tma(tmap, kb, vis_end)) mbar_wait(&sm.bar[buf], parity >> buf & 1), parity ^= 1u << buf;
     __syncthreads();  // tile it landed for all threads; every warp is done with tile it-1
     if (NSTAGE == 2 && it >= 1 && it + 1 < ntiles) {
-      issue_tile<2>(sm.k[buf ^ 1], kv, sq, kb + KT, ref, lr, sub);
+      load_tile<2>(sm, buf ^ 1, kv, tmap, sq, kb + KT, vis_end, ref, lr, sub, tid == 0);
       fetch_refs<2>(ref, sq, kb + 2 * KT, lr);
     }
     float s[NT][4];
-    qk_tile<NT>(sm.q + (16 * rg + (lane & 15)) * ROWB, sm.k[buf] + (8 * NT * kg + (lane & 7)) * ROWB, lane, s);
+    qk_tile<NT>(sm.q + (16 * rg + (lane & 15)) * ROWB, sm.k[buf] + (8 * NT * kg + (lane & 7)) * 128, lane, s);
     float mx0, mx1;
     mask_scores<NT>(s, sq, kb + 8 * NT * kg + 2 * t4, kb + KT <= vis_end, tree_mask, tm0, tm1, scale2,
                     mx0, mx1);
@@ -364,7 +442,7 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     pv_tile<RG>(sm.p, sm.k[buf], sm.alpha, warp, lane, o);
     if (NSTAGE == 1 && it + 1 < ntiles) {
       __syncthreads();  // the single buffer is free
-      issue_tile<2>(sm.k[0], kv, sq, kb + KT, ref, lr, sub);
+      load_tile<2>(sm, 0, kv, tmap, sq, kb + KT, vis_end, ref, lr, sub, tid == 0);
       fetch_refs<2>(ref, sq, kb + 2 * KT, lr);
     }
   }

@@ -17,9 +17,9 @@ first 512 dims: o_lat = softmax(scale · q·k) ĉ. The caller applies W_UV and o
 verifier_service/plan.py BatchPlan fields. Kernel: bf16 MMAs, fp32 softmax/accumulation, split-K
 over long prefixes merged by LSE (split count from shapes and the SM count: graph-safe); the (row,
 head) queries of a sequence share each key tile load, up to 64 per block. On Hopper, sequences with
-more than 32 queries run mla_attn_wgmma (warpgroup MMA; whole-prefix tiles by TMA through a tensor map
-of kv_cache, made on the first, eager call for that cache, since a graph capture cannot copy it to the
-device).
+more than 32 queries run mla_attn_wgmma (warpgroup MMA). On sm_90+ both kernels load whole-prefix tiles
+by TMA through a tensor map of kv_cache, made on the first, eager call for that cache, since a graph
+capture cannot copy it to the device.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ D, DV, KT = 576, 512, 64
 MAX_SPLITS = 1024  # the merges' limit (their wz[1024])
 CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config picks
 SPLITS = None  # split count forced by the bench; None: _split picks
-TMA = True  # mla_attn_wgmma loads whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
+TMA = True  # mla_attn (MT <= 32) and mla_attn_wgmma load whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
 PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
 # mla_attn and mla_attn_wgmma by programmatic dependent launch too: whole-prefix tiles are issued before their
 # griddepcontrol.wait, overlapping the kernel before them (kernels/mla_rope, which triggers at its start).
@@ -51,12 +51,12 @@ ATTN_PDL = True
 
 
 def _smem(config) -> int:
-    """Dynamic smem bytes of a config: sizeof(Smem<MT, NSTAGE>), or sizeof(SmemWG) + 1 KB of alignment
-    slack (the wgmma operands sit on 1024-byte swizzle atoms)."""
+    """Dynamic smem bytes of a config: sizeof(SmemWG) or sizeof(Smem<MT, NSTAGE>), + 1 KB of alignment slack
+    (the wgmma operands and the TMA-written K stages sit on 1024-byte swizzle atoms)."""
     if config == "wgmma":
         return 3 * 9 * 8192 + 8192 + 16 + (4 * 64 + 4) * 4 + 1024
     mt, nstage = config
-    return mt * 1152 + nstage * KT * 1152 + mt * 128 + (128 + 2 * mt + 4) * 4
+    return mt * 1152 + nstage * KT * 1152 + mt * 128 + 8 * nstage + (128 + 2 * mt + 4) * 4 + 1024
 
 
 def _kernel(config) -> str:
@@ -172,10 +172,9 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
     args = [q, kv_cache, page_table, page_table.shape[1], page_size, prefix_lens, row_starts, tree_mask, R,
             write_slots, h, softmax_scale * math.log2(math.e), T * h, out, o_part, lse]
-    if config == "wgmma":  # TMA for whole-page tiles where pages hold whole 64-key tiles
-        rows = kv_cache.shape[0] * page_size
-        args.append(_tensor_map(kv_cache.data_ptr(), rows, q.device.index or 0) if page_size % KT == 0 and TMA
-                    else None)
+    # TMA for whole-page tiles where pages hold whole 64-key tiles (sm_90+; mla_attn<64, 2> ignores it)
+    tma = page_size % KT == 0 and TMA and lim.major >= 9
+    args.append(_tensor_map(kv_cache.data_ptr(), kv_cache.shape[0] * page_size, q.device.index or 0) if tma else None)
     launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem, pdl=ATTN_PDL)
     if splits > 1:
         # the merge kernel and the columns of a query row each of its blocks takes

@@ -22,8 +22,6 @@
 // V[keys, dims] are MN-major (dims contiguous), 8 keys per 1024-byte swizzle atom.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-typedef unsigned long long u64;
-
 struct SmemWG {  // 1024-byte aligned (the swizzle atom)
   unsigned char q[9 * SLAB];
   unsigned char k[2][9 * SLAB];
@@ -46,8 +44,6 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// Generic-proxy writes to shared memory (st.shared, cp.async) -> visible to wgmma's async proxy.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Pins accumulator registers in program order around the asynchronous MMAs (as CUTLASS's
 // warpgroup_fence_operand): no read or write of them moves across a wgmma fence/wait.
 template <int N>
@@ -87,47 +83,6 @@ __device__ __forceinline__ void wgmma_m64n256_bt(float (&d)[32][4], u64 da, u64 
       : "l"(da), "l"(db));
 }
 #undef WG_F4
-
-// TMA: a tile wholly inside the committed prefix lies in one page (page_size % 64 == 0) and is fetched as 9
-// boxes of 64 dims x 64 keys by one thread; the tensor map's 128-byte swizzle writes the slab layout. The
-// stage's mbarrier completes on one arrival plus the tile's 73,728 bytes.
-__device__ __forceinline__ void mbar_init(u64* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
-      ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void tma_tile(unsigned char* dst, u64* bar, const void* tmap, int slot) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(9 * SLAB)
-               : "memory");
-#pragma unroll
-  for (int s = 0; s < 9; ++s)
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-        ::"r"(smem_addr(dst + s * SLAB)), "l"(tmap), "r"(64 * s), "r"(slot), "r"(smem_addr(bar)) : "memory");
-}
-
-// Whether the tile at key kb comes by TMA (its load and its wait must agree): a tensor map exists and the tile
-// is all committed prefix (below vis_end = min(L, kend)).
-__device__ __forceinline__ bool by_tma(const void* tmap, int kb, int vis_end) {
-  return tmap != nullptr && kb + KT <= vis_end;
-}
-
-// The tile at key kb into stage st: by TMA from `issuer` (whose ref[0] is the tile's row 0) where a tensor map
-// exists and the tile is all committed prefix, else by cp.async of this thread's rows lr + STRIDE·r. Commits one
-// cp.async group either way, so the stage waits count the same groups.
-template <int NR, int STRIDE = KT / NR>
-__device__ __forceinline__ void load_tile(SmemWG& sm, int st, const u16* kv, const void* tmap, const Seq& sq, int kb,
-                                          int vis_end, const int (&ref)[NR], int lr, int sub, bool issuer) {
-  if (by_tma(tmap, kb, vis_end)) {
-    if (issuer) tma_tile(sm.k[st], &sm.bar[st], tmap, key_slot(sq, kb, ref[0]));
-    cp_async_commit();
-  } else {
-    issue_tile<NR, true, STRIDE>(sm.k[st], kv, sq, kb, ref, lr, sub);
-  }
-}
 
 // S = Q Kᵀ for the 64 keys of one tile: 36 k-steps of 16 dims; k-step kk is 32·(kk % 4) bytes into slab kk / 4.
 // Issues the wgmmas; qk_wait completes them.
@@ -214,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
 
   if (tid == 0) {
     mbar_init(&sm.bar[0]), mbar_init(&sm.bar[1]);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);

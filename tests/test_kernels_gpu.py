@@ -274,7 +274,8 @@ def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
 @pytest.mark.parametrize("config", mla_mod.CONFIGS)
 def test_mla_tree_attention_configs(config, page_size, tma, monkeypatch):
     """Every compiled (query tile, key stages) instance, whatever the launcher would pick here;
-    (16, 1) is the sm_120 path. The wgmma kernel (sm_90) loads whole-prefix tiles by TMA at page size 64."""
+    (16, 1) is the sm_120 path. At page size 64 the wgmma kernel (sm_90) and mla_attn with up to 32 query rows
+    (sm_90+) load whole-prefix tiles by TMA, the tiles holding the prefix's end and the tree rows by cp.async."""
     monkeypatch.setattr(mla_mod, "CONFIG", config)
     monkeypatch.setattr(mla_mod, "TMA", tma)
     args = mla_case([5, 17, 2], [3000, 700, 0], 10, page_size, seed=11)
