@@ -20,7 +20,7 @@
 #define D 576     // key width: 512 latent + 64 rope
 #define DV 512    // value width (the latent)
 #define KT 64     // keys per tile
-#define ROWB 1152 // bytes per Q/K row in smem (72 chunks of 16 B)
+#define ROWB 1152 // bytes per Q row in smem (72 chunks of 16 B), and per key of a K tile (9 slabs x 128 B)
 #define PB 128    // bytes per P row in smem (KT bf16)
 #define SLAB 8192 // bytes per K slab in smem (64 keys x 64 dims)
 typedef unsigned long long u64;
