@@ -270,7 +270,7 @@ def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
 
 
 @pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64, 128])  # 128: two TMA tiles a page, one at a page offset
 @pytest.mark.parametrize("config", mla_mod.CONFIGS)
 def test_mla_tree_attention_configs(config, page_size, tma, monkeypatch):
     """Every compiled (query tile, key stages) instance, whatever the launcher would pick here;
