@@ -269,6 +269,20 @@ def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
                  rel=1e-2, cos=0.99995)
 
 
+@pytest.mark.parametrize("rows,prefixes", [([16, 3], [40000, 0]), ([1, 1], [65536, 0]), ([8, 8, 0], [20000, 3000, 0]),
+                                           ([64, 0], [9000, 0])])
+def test_mla_tree_attention_pad_last(rows, prefixes):
+    """A CUDA graph's padded plan: the last sequence holds the pad rows (or none) over prefix 0, and pad_last lets the
+    split count assume only the live sequences fill the splits past the first. The result must be the same."""
+    q, kv, table, *rest = mla_case(rows, prefixes, 10, 64, seed=len(rows))
+    wide = torch.full((table.shape[0], 131072 // 64), 1 << 30, dtype=table.dtype, device=table.device)
+    wide[:, : table.shape[1]] = table
+    args = (q, kv, wide, *rest)
+    poison_allocator()
+    assert_close(mla_tree_attention(*args, 0.14467963, pad_last=True), mla_tree_attention_ref(*args, 0.14467963),
+                 rel=1e-2, cos=0.99995)
+
+
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("page_size", [16, 64, 128])  # 128: two TMA tiles a page, one at a page offset
 @pytest.mark.parametrize("config", mla_mod.CONFIGS)

@@ -163,7 +163,8 @@ def static_plan(bucket: int, sessions: int, pages: int, device: torch.device | s
         [bucket, bucket, bucket, seqs + 1, seqs, 2 * bucket])
     plan = BatchPlan(token_ids=tok, positions=pos, write_slots=slots, row_starts=starts, prefix_lens=prefix,
                      page_table=flat[pt_offset:].view(torch.int64).view(seqs, pages),
-                     tree_mask=flat[mask_offset: mask_offset + bucket * bucket].view(torch.bool).view(bucket, bucket))
+                     tree_mask=flat[mask_offset: mask_offset + bucket * bucket].view(torch.bool).view(bucket, bucket),
+                     pad_last=True)
     object.__setattr__(plan, "_flat", _Flat(flat, bucket, seqs, pages, ints, mask_offset, pt_offset, out_rows))
     return plan
 

@@ -349,7 +349,7 @@ def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged:
         return q.new_zeros(T, 0)
     w_uv = kv_b_heads(w.kv_b_proj, cfg)[1]  # [h, v, C]
     o_lat = mla_tree_attention(q, kv_paged, plan.page_table, plan.prefix_lens, plan.row_starts,
-                               plan.tree_mask, plan.write_slots, cfg.softmax_scale)  # [T, h, C]
+                               plan.tree_mask, plan.write_slots, cfg.softmax_scale, plan.pad_last)  # [T, h, C]
     out = o_lat.new_empty(T, heads, cfg.v_head_dim)
     x = o_lat.transpose(0, 1)  # [h, T, C]
     if T <= UV_SKINNY_MAX_ROWS and skinny_gemm.fits(x, w_uv):  # one launch over heads, weights before its wait
