@@ -140,6 +140,25 @@ def _split(blocks: int, block_rows: int, queries: int, max_keys: int, slots: int
     return math.ceil(max_keys / (best[2] * KT))
 
 
+def _busy_blocks(B: int, T: int, R: int, h: int, mt: int, pad_last: bool) -> int:
+    """-> an upper bound on the blocks of one split (past the first) that hold queries, for B sequences of T rows in
+    all, at most R each, in blocks of mt (row, head) queries.
+    B * ceil(R h / mt) blocks all hold queries only where every sequence has R rows: not in the graphs' padded plans
+    (R = T = bucket over session bucket + 1 sequences) nor in eager plans of uneven trees. There at most
+    ceil(T h / mt) + B do (each sequence's queries in blocks of mt, one partly filled block a sequence), e.g. a
+    graph's 8 sessions x 8 rows in the 64-row bucket: 19 blocks, not 9 x 10.
+    pad_last with B = 2 (a graph of the one-session bucket, verifier_service/graphs.py): the pad sequence's rows have
+    no prefix, so their keys sit in split 0, and the live session's ceil(R h / mt) blocks are the busy ones. Counted as
+    5 blocks (+B), one session's 16-row tree over 64K keys was split 26 ways: 78 of 132 SMs (H200, K2.6 rank 0; at
+    the 44 splits it gets now the 16-layer step took 10.6 % less at 64K, 2 % at 16K). With more sessions the live
+    count is unknown (a bucket holds S/2..S), and a tighter bound moves the session-18 cost's picks both ways: those
+    keep the bound above."""
+    q_blocks = math.ceil(R * h / mt)
+    if pad_last and B == 2:
+        return q_blocks
+    return min(B * q_blocks, math.ceil(T * h / mt) + B)
+
+
 def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_mask, write_slots,
                        softmax_scale: float, pad_last: bool = False) -> torch.Tensor:
     T, h, d = q.shape
@@ -163,20 +182,7 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     per_sm = max(1, min(smem_sm // (smem + 1024), 2 if config == (16, 1) else 1))  # 1 KB: per-block reserve
     mt = 64 if config == "wgmma" else config[0]  # query rows a block takes
     q_blocks = math.ceil(R * h / mt)
-    # B * q_blocks blocks all hold queries only where every sequence has R rows: not in the graphs' padded plans
-    # (R = T = bucket over session bucket + 1 sequences) nor in eager plans of uneven trees. There at most
-    # ceil(T * h / mt) + B do (each sequence's queries in blocks of mt, one partly filled block a sequence),
-    # e.g. a graph's 8 sessions x 8 rows in the 64-row bucket: 19 blocks, not 9 x 10.
-    # pad_last with B = 2 (a graph of the one-session bucket, verifier_service/graphs.py): the only live sequence's
-    # q_blocks are the busy blocks of every split past the first (the pad sequence's rows have no prefix: their keys
-    # sit in split 0). Counted as 5 blocks (+B), one session's 16-row tree over 64K keys was split 26 ways: 78 of
-    # 132 SMs (H200, K2.6 rank 0; forced to 44 splits the 16-layer step took 10.6 % less at 64K, 2 % at 16K). With
-    # more sessions the live count is unknown (a bucket holds S/2..S), and a tighter bound moves the session-18
-    # cost's picks both ways: those keep the bound below.
-    if pad_last and B == 2:
-        busy = q_blocks
-    else:
-        busy = min(B * q_blocks, math.ceil(T * h / mt) + B)
+    busy = _busy_blocks(B, T, R, h, mt, pad_last)
     splits = _split(busy, min(mt, R * h), T * h, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS,
                     exact=B * R == T)
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
