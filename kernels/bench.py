@@ -58,16 +58,18 @@ def spread_routing(T: int, k: int, active: int, E: int, device="cuda") -> tuple[
     return ids.contiguous(), torch.rand(T, k, device=device).contiguous()
 
 
-def mla_case(rows: list[int], prefixes: list[int], heads: int, page_size: int, device="cuda", seed: int = 0):
+def mla_case(rows: list[int], prefixes: list[int], heads: int, page_size: int, device="cuda", seed: int = 0,
+             capacity: int = 0):
     """A paged batch in BatchPlan layout: random trees, shuffled pages, NaN in every unwritten slot,
-    a huge page id in unused page-table entries. -> the positional arguments of mla_tree_attention."""
+    a huge page id in unused page-table entries; `capacity`: the page table's width in keys at least (the served
+    graphs size it by max_context). -> the positional arguments of mla_tree_attention."""
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(p / page_size) for p in prefixes] + [math.ceil(r / page_size) for r in rows]
     num_pages = sum(need) + 3
     perm = torch.randperm(num_pages, generator=g).tolist()
     kv = torch.full((num_pages, page_size, 576), float("nan"), dtype=torch.bfloat16)
     flat = kv.view(-1, 576)
-    width = max([math.ceil(p / page_size) for p in prefixes] + [1])
+    width = max([math.ceil(p / page_size) for p in prefixes] + [1, capacity // page_size])
     table = torch.full((len(rows), width), 1 << 30, dtype=torch.int64)
     masks, slots = [], []
     for b, (n, prefix) in enumerate(zip(rows, prefixes)):

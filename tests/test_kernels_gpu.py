@@ -260,10 +260,7 @@ def test_mla_tree_attention_merges(merge32_max, splits, monkeypatch):
 def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
     """A page table far wider than the prefixes (max_context's pages, unused tail = a huge page id): the
     split count follows the capacity, each sequence's actual keys are spread over the splits."""
-    q, kv, table, *rest = mla_case(rows, prefixes, 10, 64, seed=len(rows))
-    wide = torch.full((table.shape[0], capacity // 64), 1 << 30, dtype=table.dtype, device=table.device)
-    wide[:, : table.shape[1]] = table
-    args = (q, kv, wide, *rest)
+    args = mla_case(rows, prefixes, 10, 64, seed=len(rows), capacity=capacity)
     poison_allocator()
     assert_close(mla_tree_attention(*args, 0.14467963), mla_tree_attention_ref(*args, 0.14467963),
                  rel=1e-2, cos=0.99995)
@@ -274,10 +271,7 @@ def test_mla_tree_attention_wide_page_table(rows, prefixes, capacity):
 def test_mla_tree_attention_pad_last(rows, prefixes):
     """A CUDA graph's padded plan: the last sequence holds the pad rows (or none) over prefix 0, and pad_last lets the
     split count assume only the live sequences fill the splits past the first. The result must be the same."""
-    q, kv, table, *rest = mla_case(rows, prefixes, 10, 64, seed=len(rows))
-    wide = torch.full((table.shape[0], 131072 // 64), 1 << 30, dtype=table.dtype, device=table.device)
-    wide[:, : table.shape[1]] = table
-    args = (q, kv, wide, *rest)
+    args = mla_case(rows, prefixes, 10, 64, seed=len(rows), capacity=131072)
     poison_allocator()
     assert_close(mla_tree_attention(*args, 0.14467963, pad_last=True), mla_tree_attention_ref(*args, 0.14467963),
                  rel=1e-2, cos=0.99995)
