@@ -14,7 +14,7 @@
 // its 128-byte group, so the eight row addresses of every ldmatrix hit distinct banks. K tiles are slab-major
 // (9 slabs of 64 keys x 128 B, SLAB bytes apart, the same chunk swizzle: what a TMA box of 64 dims x 64 keys with
 // the 128-byte swizzle writes), so whole-prefix tiles come by TMA where the cache's pages hold whole tiles.
-// Splits (gridDim.z > 1) write normalized partial O and base-2 LSE; mla_merge combines them.
+// Splits write normalized partial O and base-2 LSE; mla_merge combines them.
 // Keys past a split's end are zero-filled, never read, so NaN in unused cache slots cannot leak.
 
 #define D 576     // key width: 512 latent + 64 rope
@@ -226,17 +226,78 @@ __device__ __forceinline__ int split_chunk(int keys, int splits) {
   return KT * (((keys + KT - 1) / KT + splits - 1) / splits);
 }
 
-// Block (x, b, z)'s Seq: sequence b, query tile x of mt flat (row, head) rows, key split z of gridDim.z.
+// Splits that hold keys of a sequence with `keys` keys chunked for `splits` splits (split_chunk); 0 without keys.
+__device__ __forceinline__ int seq_splits(int keys, int splits) {
+  if (keys <= 0) return 0;
+  const int chunk = split_chunk(keys, splits);
+  return (keys + chunk - 1) / chunk;
+}
+
+// The device schedule's split count s (sched_slots > 0: a CUDA graph's padded plan, whose live sessions, rows and
+// prefixes only the device sees). The query tiles of sequences with a prefix (Q of them) take up to s splits each,
+// those of sequences without one (the graph's pad rows) one per key tile they have (P blocks in all). s is the
+// most that keeps P + Q s blocks in one wave of `slots`, 1 if even one each is more, and at most zsplits (o_part's
+// splits). The same in every block of mla_attn* and the merges. LANES (the merges): a warp's lanes take the
+// sequences. mla_attn* loop over them in every thread instead, from uniform addresses only, so that ptxas can prove
+// the block's sequence and key range warp-uniform and keep them in uniform registers through the key loop: derived
+// from shuffles or redux, they made the loop of mla_attn_wgmma 20-25 % slower (H200, 10 heads, 16 rows x 64K keys
+// at 44 splits: 61.9 -> 80.5 us; 41 -> 176 R2UR in its SASS), the serial loop costs ~1 us once.
+template <bool LANES>
+__device__ __forceinline__ int plan_splits(const i64* prefix_lens, const i64* row_starts, int B, int h, int mt,
+                                           int slots, int zsplits) {
+  int P = 0, Q = 0;
+  for (int b = LANES ? threadIdx.x & 31 : 0; b < B; b += LANES ? 32 : 1) {
+    const int rb = (int)(row_starts[b + 1] - row_starts[b]), tiles = (rb * h + mt - 1) / mt;
+    if (prefix_lens[b] > 0) Q += tiles;
+    else P += tiles * ((rb + KT - 1) / KT);
+  }
+  if (LANES) P = __reduce_add_sync(0xffffffffu, P), Q = __reduce_add_sync(0xffffffffu, Q);
+  return Q == 0 ? 1 : max(1, min(zsplits, (slots - P) / Q));
+}
+
+// The device schedule's block blockIdx.x -> its sequence b, query tile x and key split z (of s splits): blocks
+// dealt out sequence by sequence, each sequence's query tiles in order, each tile's splits that hold keys in
+// order (serially, as plan_splits<false>). False past the last block.
+__device__ __forceinline__ bool sched_block(const i64* prefix_lens, const i64* row_starts, int B, int h, int mt,
+                                            int s, int& b, int& x, int& z) {
+  const int i = blockIdx.x;
+  for (int base = 0, seq = 0; seq < B; ++seq) {
+    const int rb = (int)(row_starts[seq + 1] - row_starts[seq]), splits = seq_splits((int)prefix_lens[seq] + rb, s);
+    const int n = (rb * h + mt - 1) / mt * splits;  // the sequence's blocks
+    if (i < base + n) {
+      b = seq, x = (i - base) / splits, z = (i - base) % splits;
+      return true;
+    }
+    base += n;
+  }
+  return false;
+}
+
+// A block's Seq: sequence b, query tile x of mt flat (row, head) rows, key split z (-> z). Host schedule (!SCHED):
+// block (x, b, z) of the grid (ceil(R*h / mt), B, splits), keys chunked for gridDim.z splits. Device schedule
+// (SCHED, sched_slots > 0): a 1-D grid dealt out by sched_block, keys chunked for plan_splits' count. A template
+// flag, not a branch: compiled in, the device schedule's code cost the host schedule's key loop 1-4 % (H200).
 // Empty (q0 >= q_end or kbeg >= kend) when the tile or the split has nothing of this sequence.
+template <bool SCHED>
 __device__ __forceinline__ Seq block_seq(const i64* page_table, int npages, int page_size, const i64* prefix_lens,
-                                         const i64* row_starts, const i64* write_slots, int h, int mt) {
-  const int b = blockIdx.y, r0 = (int)row_starts[b], rb = (int)row_starts[b + 1] - r0;
+                                         const i64* row_starts, const i64* write_slots, int B, int h, int mt,
+                                         int zsplits, int sched_slots, int& z) {
   Seq sq;
+  int b = blockIdx.y, x = blockIdx.x, splits = gridDim.z;
+  z = blockIdx.z;
+  if constexpr (SCHED) {
+    splits = plan_splits<false>(prefix_lens, row_starts, B, h, mt, sched_slots, zsplits);
+    if (!sched_block(prefix_lens, row_starts, B, h, mt, splits, b, x, z)) {
+      sq.q0 = sq.q_end = sq.kbeg = sq.kend = 0;
+      return sq;
+    }
+  }
+  const int r0 = (int)row_starts[b], rb = (int)row_starts[b + 1] - r0;
   sq.page_table = page_table, sq.write_slots = write_slots, sq.page_size = page_size;
   sq.pt0 = b * npages, sq.ws0 = r0;
-  sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + blockIdx.x * mt, sq.q_end = (r0 + rb) * h;
-  const int chunk = split_chunk(sq.L + rb, gridDim.z);
-  sq.kbeg = blockIdx.z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
+  sq.L = (int)prefix_lens[b], sq.q0 = r0 * h + x * mt, sq.q_end = (r0 + rb) * h;
+  const int chunk = split_chunk(sq.L + rb, splits);
+  sq.kbeg = z * chunk, sq.kend = min(sq.kbeg + chunk, sq.L + rb);
   return sq;
 }
 
@@ -325,7 +386,8 @@ __device__ __forceinline__ void load_tile(S& sm, int st, const u16* kv, const vo
   }
 }
 
-// Grid (ceil(R*h / MT), B, splits); block 256; dynamic smem sizeof(Smem<MT, NSTAGE>) + 1024 (the K stages sit
+// Grid (ceil(R*h / MT), B, splits), or (blocks, 1, 1) under the device schedule (sched_slots > 0: block_seq);
+// block 256; dynamic smem sizeof(Smem<MT, NSTAGE>) + 1024 (the K stages sit
 // on 1024-byte swizzle atoms for TMA; MT=64, NSTAGE=2: 226 KB, one block per SM on sm_90; MT=16, NSTAGE=1: 95 KB,
 // fits sm_120's 99 KB).
 // Pipeline (NSTAGE=2): tiles 0 and 1 are issued before the loop; at the top of tile it >= 1 tile it+1
@@ -334,15 +396,16 @@ __device__ __forceinline__ void load_tile(S& sm, int st, const u16* kv, const vo
 // where tmap is given (MT <= 32; MT = 64 has no registers to spare), the others by cp.async.
 // q [T*h, 576] bf16; kv [slots, 576] bf16 (one layer); page_table [B, npages]; prefix_lens [B];
 // row_starts [B+1]; tree_mask [T, R] bool; write_slots [T]. scale2 = softmax_scale * log2(e).
-// splits == 1: out [T*h, 512] bf16. splits > 1: o_part [splits, T*h, 512] fp32, lse_part [splits, T*h].
+// B sequences; zsplits: o_part's splits. zsplits == 1: out [T*h, 512] bf16. zsplits > 1: o_part [zsplits, T*h,
+// 512] fp32, lse_part [zsplits, T*h] (split z of query row r at z * T*h + r).
 // tmap: the cache's CUtensorMap (mla_tree_attention._tensor_map) or null (cp.async only).
-template <int MT, int NSTAGE>
+template <int MT, int NSTAGE, bool SCHED>
 __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     const u16* __restrict__ q, const u16* __restrict__ kv, const i64* __restrict__ page_table, int npages,
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
     float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part,
-    float* __restrict__ lse_part, const void* tmap) {
+    float* __restrict__ lse_part, int B, int zsplits, int sched_slots, const void* tmap) {
   constexpr int RG = MT / 16, KG = 8 / RG, NT = RG;
   pdl_trigger();  // the merge's blocks may become resident; they wait for this grid before reading it
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -350,9 +413,12 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
       *reinterpret_cast<Smem<MT, NSTAGE>*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   const int lr = tid >> 3, sub = tid & 7;
-  Seq sq = block_seq(page_table, npages, page_size, prefix_lens, row_starts, write_slots, h, MT);
+  int z;  // key split
+  Seq sq = block_seq<SCHED>(page_table, npages, page_size, prefix_lens, row_starts, write_slots, B, h, MT,
+                            zsplits, sched_slots, z);
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
+  if (SCHED && tid == 0) sm.qrange[2] = z;  // the split, kept out of registers
   if (MT == 64) tmap = nullptr;
   if (tmap != nullptr && tid == 0) {  // thread 0 issues the TMA tiles; the barrier before the loop publishes these
     for (int st = 0; st < NSTAGE; ++st) mbar_init(&sm.bar[st]);
@@ -454,27 +520,27 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   if (kg == 0 && t4 == 0) sm.m[ra] = m0, sm.m[ra + 8] = m1;
   __syncthreads();
   sq.q0 = sm.qrange[0], sq.q_end = sm.qrange[1];
-  write_out<RG>(o, sm.red, sm.m, sq, warp, lane, gridDim.z > 1, blockIdx.z, TH, out, o_part, lse_part);
+  write_out<RG>(o, sm.red, sm.m, sq, warp, lane, SCHED ? zsplits > 1 : gridDim.z > 1,
+                SCHED ? sm.qrange[2] : (int)blockIdx.z, TH, out, o_part, lse_part);
 }
 
 // Splits that hold keys of query row qr's sequence (the chunking of mla_attn's block_seq).
 __device__ __forceinline__ int merge_nsplit(const i64* prefix_lens, const i64* row_starts, int B, int h, int splits,
-                                            i64 qr) {
+                                            i64 qr, int mt, int sched_slots) {
+  if (sched_slots > 0) splits = plan_splits<true>(prefix_lens, row_starts, B, h, mt, sched_slots, splits);
   const i64 t = qr / h;
   int b = 0;
   while (b + 1 < B && row_starts[b + 1] <= t) ++b;
-  const i64 kv_len = prefix_lens[b] + row_starts[b + 1] - row_starts[b];
-  const int chunk = split_chunk((int)kv_len, splits);
-  return (int)((kv_len + chunk - 1) / chunk);
+  return seq_splits((int)(prefix_lens[b] + row_starts[b + 1] - row_starts[b]), splits);
 }
 
 // The merges' start under programmatic dependent launch -> merge_nsplit. It lets a PDL successor start (W_UV's
 // skinny_gemm streams its weights, and in the bench the next mla_attn its prefix tiles; both wait for this grid
 // before reading what it writes), reads only the plan, then waits until mla_attn's partials are complete and visible.
 __device__ __forceinline__ int merge_start(const i64* prefix_lens, const i64* row_starts, int B, int h, int splits,
-                                           i64 qr) {
+                                           i64 qr, int mt, int sched_slots) {
   pdl_trigger();
-  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr);
+  const int nsplit = merge_nsplit(prefix_lens, row_starts, B, h, splits, qr, mt, sched_slots);
   pdl_wait();
   return nsplit;
 }
@@ -512,16 +578,18 @@ __device__ __forceinline__ void store_merged(u16* dst, float4 acc, float wsum) {
 
 // Merge splits: out[r] = Σ_z 2^(lse_z - M) o_z / Σ_z 2^(lse_z - M). Grid (T*h, 4); block 256 = 8 split
 // groups x 32 lanes, lane = 4 columns (float4) of the block's 128, so each thread has nsplit/8
-// independent loads in flight. Requires splits <= 1024. With programmatic dependent launch it becomes
-// resident while mla_attn runs and reads only the plan (row_starts, prefix_lens) before its wait.
+// independent loads in flight. Requires splits <= 1024 (o_part's, mla_attn's zsplits). mt, sched_slots: mla_attn's
+// query tile and schedule, whose split count (merge_nsplit) it follows. With programmatic dependent launch it
+// becomes resident while mla_attn runs and reads only the plan (row_starts, prefix_lens) before its wait.
 extern "C" __global__ void __launch_bounds__(256) mla_merge(
     const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
-    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
+    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out, int mt,
+    int sched_slots) {
   __shared__ float wz[1024], red[8];
   __shared__ float4 part[7][32];
   const i64 qr = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, zg = tid >> 5;
-  const int nsplit = merge_start(prefix_lens, row_starts, B, h, splits, qr);
+  const int nsplit = merge_start(prefix_lens, row_starts, B, h, splits, qr, mt, sched_slots);
   const float wsum = merge_weights(lse_part, TH, qr, nsplit, wz, red);
   const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 128 * blockIdx.y) + lane;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -560,12 +628,13 @@ __device__ __forceinline__ void load_partials(float4 (&v)[8], const float4* src,
 // at ~30 query rows its extra blocks cost what they save, at 64 more (64 x 1 x 4K 12.7 -> 15.0 us).
 extern "C" __global__ void __launch_bounds__(256) mla_merge32(
     const float* __restrict__ o_part, const float* __restrict__ lse_part, const i64* __restrict__ prefix_lens,
-    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out) {
+    const i64* __restrict__ row_starts, int B, int h, int splits, int TH, u16* __restrict__ out, int mt,
+    int sched_slots) {
   __shared__ float wz[1024], red[8];
   __shared__ float4 part[8][8];
   const i64 qr = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, zg = tid >> 3, l8 = tid & 7;
-  const int nsplit = merge_start(prefix_lens, row_starts, B, h, splits, qr);
+  const int nsplit = merge_start(prefix_lens, row_starts, B, h, splits, qr, mt, sched_slots);
   const float4* src = reinterpret_cast<const float4*>(o_part + qr * DV + 32 * blockIdx.y) + l8;
   const i64 zstride = (i64)TH * (DV / 4);
   float4 v[8];

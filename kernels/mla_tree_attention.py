@@ -11,13 +11,16 @@ prefix_lens  int64 [B]      committed keys of sequence b (read through page_tabl
 row_starts   int64 [B+1]    rows of sequence b: row_starts[b] .. row_starts[b+1]-1
 tree_mask    bool  [T, R]   row t sees row row_starts[b]+j of its own sequence iff tree_mask[t, j]
 write_slots  int64 [T]      slot already holding each row's own latent (scratch for tree rows)
-pad_last     the last sequence holds only pad rows over prefix 0 (a CUDA graph's padded plan): a hint for
-             the split count, the result is the same
+pad_last     the last sequence holds only pad rows over prefix 0 (a CUDA graph's padded plan, whose live
+             sessions, rows and prefixes only the device sees). One session (B = 2): the host's split count
+             counts that session's blocks only; more: the kernel deals its blocks and picks its split count
+             on the device (the device schedule). The result is the same
 
 Row t of sequence b attends its prefix (keys 0..L-1) and its visible tree rows, values = the keys'
 first 512 dims: o_lat = softmax(scale · q·k) ĉ. The caller applies W_UV and o_proj. Same arguments as
 verifier_service/plan.py BatchPlan fields. Kernel: bf16 MMAs, fp32 softmax/accumulation, split-K
-over long prefixes merged by LSE (split count from shapes and the SM count: graph-safe); the (row,
+over long prefixes merged by LSE; the split count comes from shapes and the SM count on the host, or for a
+graph of several sessions from the plan on the device (one wave of blocks over the live sequences); the (row,
 head) queries of a sequence share each key tile load, up to 64 per block. On Hopper, sequences with
 more than 32 queries run mla_attn_wgmma (warpgroup MMA). On sm_90+ both kernels load whole-prefix tiles
 by TMA through a tensor map of kv_cache, made on the first, eager call for that cache, since a graph
@@ -39,12 +42,14 @@ CODE = ("mla_tree_attention.cu", "mla_tree_attention_sm90.cu")
 # (64, 2) needs 225 KB of smem, one block per SM; (16, 1) is 94 KB and fits sm_120's 99 KB.
 # "wgmma": mla_attn_wgmma, 64 query rows on Hopper's warpgroup MMA (sm_90 only), 2 stages, 227 KB.
 CONFIGS = ((16, 2), (32, 2), (64, 2), (16, 1), "wgmma")
-NAMES = tuple(f"mla_attn<{mt}, {ns}>" for mt, ns in CONFIGS[:4]) + ("mla_attn_wgmma", "mla_merge", "mla_merge32")
+# each attention kernel with the host schedule (<..., false>) and the device schedule (<..., true>, a graph's plan)
+NAMES = tuple(f"mla_attn<{mt}, {ns}, {flag}>" for mt, ns in CONFIGS[:4] for flag in ("false", "true")) + (
+    "mla_attn_wgmma<false>", "mla_attn_wgmma<true>", "mla_merge", "mla_merge32")
 MERGE32_MAX_QUERIES = 20  # up to this many (row, head) queries mla_merge32 merges the splits, else mla_merge
 D, DV, KT = 576, 512, 64
 MAX_SPLITS = 1024  # the merges' limit (their wz[1024])
 CONFIG = None  # a CONFIGS entry forced by the bench / tests; None: _config picks
-SPLITS = None  # split count forced by the bench; None: _split picks
+SPLITS = None  # split count forced by the bench (host schedule); None: _split picks
 TMA = True  # mla_attn (MT <= 32) and mla_attn_wgmma load whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
 PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
 # mla_attn and mla_attn_wgmma by programmatic dependent launch too: whole-prefix tiles are issued before their
@@ -61,8 +66,9 @@ def _smem(config) -> int:
     return mt * 1152 + nstage * KT * 1152 + mt * 128 + 8 * nstage + (128 + 2 * mt + 4) * 4 + 1024
 
 
-def _kernel(config) -> str:
-    return "mla_attn_wgmma" if config == "wgmma" else f"mla_attn<{config[0]}, {config[1]}>"
+def _kernel(config, device_schedule: bool) -> str:
+    flag = "true" if device_schedule else "false"
+    return f"mla_attn_wgmma<{flag}>" if config == "wgmma" else f"mla_attn<{config[0]}, {config[1]}, {flag}>"
 
 
 def _config(q_rows: int, smem_block: int, wgmma: bool):
@@ -143,20 +149,34 @@ def _split(blocks: int, block_rows: int, queries: int, max_keys: int, slots: int
 def _busy_blocks(B: int, T: int, R: int, h: int, mt: int, pad_last: bool) -> int:
     """-> an upper bound on the blocks of one split (past the first) that hold queries, for B sequences of T rows in
     all, at most R each, in blocks of mt (row, head) queries.
-    B * ceil(R h / mt) blocks all hold queries only where every sequence has R rows: not in the graphs' padded plans
-    (R = T = bucket over session bucket + 1 sequences) nor in eager plans of uneven trees. There at most
-    ceil(T h / mt) + B do (each sequence's queries in blocks of mt, one partly filled block a sequence), e.g. a
-    graph's 8 sessions x 8 rows in the 64-row bucket: 19 blocks, not 9 x 10.
+    B * ceil(R h / mt) blocks all hold queries only where every sequence has R rows, not in eager plans of uneven
+    trees. There at most ceil(T h / mt) + B do (each sequence's queries in blocks of mt, one partly filled block a
+    sequence).
     pad_last with B = 2 (a graph of the one-session bucket, verifier_service/graphs.py): the pad sequence's rows have
     no prefix, so their keys sit in split 0, and the live session's ceil(R h / mt) blocks are the busy ones. Counted as
     5 blocks (+B), one session's 16-row tree over 64K keys was split 26 ways: 78 of 132 SMs (H200, K2.6 rank 0; at
-    the 44 splits it gets now the 16-layer step took 10.6 % less at 64K, 2 % at 16K). With more sessions the live
-    count is unknown (a bucket holds S/2..S), and a tighter bound moves the session-18 cost's picks both ways: those
-    keep the bound above."""
+    the 44 splits it gets now the 16-layer step took 10.5 % less at 64K, 1.5 % at 16K). Graphs of more sessions take
+    the device schedule."""
     q_blocks = math.ceil(R * h / mt)
     if pad_last and B == 2:
         return q_blocks
     return min(B * q_blocks, math.ceil(T * h / mt) + B)
+
+
+def _device_grid(T: int, B: int, h: int, mt: int, slots: int) -> int:
+    """Blocks of the device schedule's 1-D grid (plan_splits / sched_block in the .cu): one wave of `slots`, or one
+    block per query tile where those are more (at one split each, B sequences of T rows in all have at most
+    ceil(T h / mt) + B tiles)."""
+    return max(slots, math.ceil(T * h / mt) + B)
+
+
+def _device_splits(T: int, h: int, mt: int, slots: int) -> int:
+    """o_part's split count under the device schedule. plan_splits gives at most slots // Q, Q the query tiles of
+    the sequences with a prefix; a graph's live rows are more than half its row bucket T (graphs.BUCKETS: powers of
+    two), so Q >= ceil((T // 2 + 1) h / mt) when every live session has a prefix. A plan below that gets fewer
+    splits than it could (plan_splits caps s at this count), never a wrong result."""
+    live_min = T // 2 + 1 if T > 1 else 1
+    return max(1, min(MAX_SPLITS, slots // math.ceil(live_min * h / mt)))
 
 
 def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_mask, write_slots,
@@ -181,23 +201,27 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     smem = _smem(config)
     per_sm = max(1, min(smem_sm // (smem + 1024), 2 if config == (16, 1) else 1))  # 1 KB: per-block reserve
     mt = 64 if config == "wgmma" else config[0]  # query rows a block takes
-    q_blocks = math.ceil(R * h / mt)
-    busy = _busy_blocks(B, T, R, h, mt, pad_last)
-    splits = _split(busy, min(mt, R * h), T * h, page_table.shape[1] * page_size + R, sms * per_sm, SPLITS,
-                    exact=B * R == T)
+    slots = sms * per_sm  # blocks that run at once
+    if pad_last and B > 2:  # a graph of 2+ sessions: the device deals the blocks and picks the split count
+        grid, sched = (_device_grid(T, B, h, mt, slots), 1, 1), slots
+        splits = _device_splits(T, h, mt, slots)
+    else:  # the host: one split count for every sequence, from shapes and the page table's capacity (graph-safe)
+        splits = _split(_busy_blocks(B, T, R, h, mt, pad_last), min(mt, R * h), T * h,
+                        page_table.shape[1] * page_size + R, slots, SPLITS, exact=B * R == T)
+        grid, sched = (math.ceil(R * h / mt), B, splits), 0
     o_part = torch.empty(splits, T * h, DV, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(splits, T * h, dtype=torch.float32, device=q.device) if splits > 1 else out
     args = [q, kv_cache, page_table, page_table.shape[1], page_size, prefix_lens, row_starts, tree_mask, R,
-            write_slots, h, softmax_scale * math.log2(math.e), T * h, out, o_part, lse]
+            write_slots, h, softmax_scale * math.log2(math.e), T * h, out, o_part, lse, B, splits, sched]
     # TMA for whole-page tiles where pages hold whole 64-key tiles (sm_90+; mla_attn<64, 2> ignores it)
     tma = page_size % KT == 0 and TMA and lim.major >= 9
     args.append(_tensor_map(kv_cache.data_ptr(), kv_cache.shape[0] * page_size, q.device.index or 0) if tma else None)
-    launch(ker[_kernel(config)], (q_blocks, B, splits), 256, *args, smem=smem, pdl=ATTN_PDL)
+    launch(ker[_kernel(config, sched > 0)], grid, 256, *args, smem=smem, pdl=ATTN_PDL)
     if splits > 1:
         # the merge kernel and the columns of a query row each of its blocks takes
         merge, cols = ("mla_merge32", 32) if T * h <= MERGE32_MAX_QUERIES else ("mla_merge", 128)
         launch(ker[merge], (T * h, DV // cols), 256, o_part, lse, prefix_lens, row_starts, B, h, splits, T * h, out,
-               pdl=PDL)
+               mt, sched, pdl=PDL)
     return out
 
 

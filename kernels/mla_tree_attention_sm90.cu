@@ -143,7 +143,8 @@ __device__ __forceinline__ void write_out_wg(const float (&o)[32][4], const Smem
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// Grid (ceil(R*h / 64), B, splits); block 256; dynamic smem sizeof(SmemWG) + 1024 (alignment slack).
+// Grid (ceil(R*h / 64), B, splits) or, under the device schedule (SCHED), (blocks, 1, 1); block 256; dynamic smem
+// sizeof(SmemWG) + 1024 (alignment slack).
 // Arguments and outputs as mla_attn; tmap: the cache's CUtensorMap (mla_tree_attention._tensor_map) or null.
 // Pipeline: Q and tiles 0, 1 are issued before the loop; in the loop tile it+1 goes into the stage tile it-1
 // freed, issued while warpgroup 0's S wgmmas run. Whole-prefix tiles come by TMA (thread 0 in the prologue,
@@ -151,21 +152,25 @@ __device__ __forceinline__ void write_out_wg(const float (&o)[32][4], const Smem
 // per tile (H200, 10 heads x 64 rows x 32K keys: 120.7 -> 107.4 us). The other tiles (the one holding the
 // prefix's end and the tree rows, or any tile when page_size % 64 != 0) go by cp.async, zero-filling keys
 // past the split's end: warpgroup 1 issues rows 0..47, warpgroup 0 rows 48..63 after its wgmmas.
-extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
+template <bool SCHED>
+__global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     const u16* __restrict__ q, const u16* __restrict__ kv, const i64* __restrict__ page_table, int npages,
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
     float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-    const void* tmap) {
+    int B, int zsplits, int sched_slots, const void* tmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_trigger();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   SmemWG& sm = *reinterpret_cast<SmemWG*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 7, g = lane >> 2, t4 = lane & 3;
   const int lr = tid >> 3, sub = tid & 7;
-  Seq sq = block_seq(page_table, npages, page_size, prefix_lens, row_starts, write_slots, h, 64);
+  int z;  // key split
+  Seq sq = block_seq<SCHED>(page_table, npages, page_size, prefix_lens, row_starts, write_slots, B, h, 64,
+                            zsplits, sched_slots, z);
   if (sq.q0 >= sq.q_end || sq.kbeg >= sq.kend) return;
   if (tid == 0) sm.qrange[0] = sq.q0, sm.qrange[1] = sq.q_end;
+  if (SCHED && tid == 0) sm.qrange[2] = z;  // the split, kept out of registers
 
   if (tid == 0) {
     mbar_init(&sm.bar[0]), mbar_init(&sm.bar[1]);
@@ -253,6 +258,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
   if (w == 0 && t4 == 0) sm.m[ra] = m0, sm.m[ra + 8] = m1;
   __syncthreads();
   sq.q0 = sm.qrange[0], sq.q_end = sm.qrange[1];
-  write_out_wg(o, sm, sq, w, ra, t4, tid, gridDim.z > 1, blockIdx.z, TH, out, o_part, lse_part);
+  write_out_wg(o, sm, sq, w, ra, t4, tid, SCHED ? zsplits > 1 : gridDim.z > 1,
+               SCHED ? sm.qrange[2] : (int)blockIdx.z, TH, out, o_part, lse_part);
 #endif
 }

@@ -36,7 +36,7 @@ def test_wgmma_kernel_is_built_only_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setattr(_compile, "CACHE_DIR", tmp_path)
     assert _compile.target_arch("sm_90") == "sm_90a" and _compile.target_arch("sm_120") == "sm_120"
     regs = {arch: _compile.resources(_compile.compile_cubin(_compile.cuda_source(mla.CODE), arch, mla.NAMES))
-            ["mla_attn_wgmma"]["regs"] for arch in ("sm_90a", "sm_120")}
+            ["mla_attn_wgmma<false>"]["regs"] for arch in ("sm_90a", "sm_120")}
     assert regs["sm_90a"] > 128 and regs["sm_120"] < 32
 
 
