@@ -1,7 +1,8 @@
-"""GPU: mla_tree_attention on a CUDA graph's padded plan (pad_last), where the kernel deals its blocks and picks its
-split count on the device from the live sequences. Checked against the fp32 torch reference: every query tile and
-split must be dealt exactly once, for live counts across the warp's 32-sequence rounds, pad sequences longer than a
-key tile, sessions without a prefix, every kernel config, and plans that change between replays of one graph."""
+"""GPU: mla_tree_attention on a CUDA graph's padded plan (pad_last). With 2+ session slots the kernel deals its
+blocks and picks its split count on the device from the live sequences; one session takes the host's count. Checked
+against the fp32 torch reference: every query tile and split must be dealt exactly once, for up to 64 sessions, pad
+sequences longer than a key tile, sessions without a prefix, every kernel config, and plans that change between
+replays of one graph."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ CASES = [  # (live rows, live prefixes, row bucket, session bucket)
     ([3, 5, 1], [100, 5000, 16000], 16, 4),  # uneven sessions, 7 pad rows, one empty session
     ([16, 16, 16], [3000, 0, 9000], 64, 4),  # a session without a prefix (its tiles count as the pad's)
     ([65], [2000], 256, 1),  # 191 pad rows: the pad sequence spans three key tiles
-    ([1] * 40, [(37 * i) % 3000 + 1 for i in range(40)], 64, 64),  # 65 sequences: three 32-sequence rounds
-    ([2] * 33, [1000] * 33, 128, 64),  # the live ones end in the second round
+    ([1] * 40, [(37 * i) % 3000 + 1 for i in range(40)], 64, 64),  # 65 sequences
+    ([2] * 33, [1000] * 33, 128, 64),
 ]
 
 

@@ -15,10 +15,11 @@ sync, so consecutive steps queue without waiting, and the padded contents are th
 `pages` is `max_pages` on the kernel path (the kernel reads only prefix_lens keys). The sync-free torch
 path (model.SYNC_FREE) gathers all pages·page_size prefix slots of every row, so there the page table
 is also bucketed: the smallest power of two >= the plan's page-table width (capped at max_pages).
-Why session buckets: the tree attention picks its split-K count on the host from shapes (graph-safe), so in
-a graph of max_seqs + 1 sequences it splits one live session's prefix as if every sequence were busy (H200,
+Why session buckets: the tree attention picked its split-K count on the host from shapes (graph-safe), so in
+a graph of max_seqs + 1 sequences it split one live session's prefix as if every sequence were busy (H200,
 K2.6 rank shapes, max_seqs 64: one 4K decode row 95.7 us in 1-2 splits, against 8.1 us at the count an
-exact plan gets; docs/kernel-notes/mla_tree_attention.md, session 22).
+exact plan gets; docs/kernel-notes/mla_tree_attention.md, session 22). The one-session bucket still takes the
+host's count; graphs of 2+ sessions (pad_last, B > 2) now deal the attention's blocks on the device.
 Capture happens on the first use of a (row bucket, session bucket, pages) key, after one eager run of the same shapes
 (loads the kernels: nothing may compile or allocate inside a capture). All graphs share one memory pool.
 Every rank pads and replays identically, so collectives inside the graphs line up.

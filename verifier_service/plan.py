@@ -35,7 +35,8 @@ class BatchPlan:
     logit_rows: torch.Tensor | None = None  # int64 [Rl] rows whose logits are returned; None = all
     hidden_rows: torch.Tensor | None = None  # int64 [Rh] rows whose layer features are returned; None = all
     explicit_mla: bool = False  # decompressed-K/V form (prefill); False = absorbed latent form
-    pad_last: bool = False  # the last sequence holds only pad rows over no prefix (graphs.static_plan)
+    pad_last: bool = False  # the last sequence holds only pad rows over no prefix (graphs.static_plan): live
+    # shapes are device-side (kernels/mla_tree_attention: split count of one session, device schedule of more)
 
     def __post_init__(self) -> None:
         t, b = self.token_ids.shape[0], self.prefix_lens.shape[0]
