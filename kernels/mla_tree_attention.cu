@@ -386,7 +386,7 @@ __device__ __forceinline__ void load_tile(S& sm, int st, const u16* kv, const vo
   }
 }
 
-// Grid (ceil(R*h / MT), B, splits), or (blocks, 1, 1) under the device schedule (sched_slots > 0: block_seq);
+// Grid (ceil(R*h / MT), B, splits), or (blocks, 1, 1) under the device schedule (SCHED: block_seq);
 // block 256; dynamic smem sizeof(Smem<MT, NSTAGE>) + 1024 (the K stages sit
 // on 1024-byte swizzle atoms for TMA; MT=64, NSTAGE=2: 226 KB, one block per SM on sm_90; MT=16, NSTAGE=1: 95 KB,
 // fits sm_120's 99 KB).
