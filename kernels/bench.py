@@ -95,36 +95,6 @@ def mla_case(rows: list[int], prefixes: list[int], heads: int, page_size: int, d
 
 
 
-def graph_case(rows: list[int], prefixes: list[int], heads: int, page_size: int, bucket: int, sessions: int,
-               device="cuda", seed: int = 0, capacity: int = 0, num_pages: int = 0):
-    """mla_case's batch padded as verifier_service/graphs.py pads a step into a graph's static plan: `bucket` rows
-    (pad rows after the live ones, each seeing only itself, writing a reserved zero slot), `sessions` + 1 sequences
-    (empty ones after the live, the pad sequence last, prefix 0). `num_pages`: the cache's pages at least (NaN past
-    mla_case's own), so that several plans can share one graph's shapes. -> mla_tree_attention's arguments."""
-    q, kv, table, prefix, starts, mask, slots = mla_case(rows, prefixes, heads, page_size, "cpu", seed, capacity)
-    T, B = sum(rows), len(rows)
-    assert T <= bucket and B <= sessions
-    pages = max(num_pages, kv.shape[0] + 1)
-    cache = torch.full((pages, page_size, 576), float("nan"), dtype=torch.bfloat16)
-    cache[: kv.shape[0]] = kv
-    cache[-1] = 0  # the pad slot's page
-    q_pad = torch.randn(bucket, heads, 576, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    q_pad[:T] = q
-    table_pad = torch.zeros(sessions + 1, table.shape[1], dtype=torch.int64)
-    table_pad[:B] = table
-    prefix_pad = torch.zeros(sessions + 1, dtype=torch.int64)
-    prefix_pad[:B] = prefix
-    starts_pad = torch.full((sessions + 2,), T, dtype=torch.int64)
-    starts_pad[: B + 1], starts_pad[-1] = starts, bucket
-    mask_pad = torch.zeros(bucket, bucket, dtype=torch.bool)
-    mask_pad[:T, : mask.shape[1]] = mask
-    pad = torch.arange(bucket - T)
-    mask_pad[T + pad, pad] = True
-    slots_pad = torch.full((bucket,), (pages - 1) * page_size, dtype=torch.int64)
-    slots_pad[:T] = slots
-    args = (q_pad, cache, table_pad, prefix_pad, starts_pad, mask_pad, slots_pad)
-    return tuple(a.to(device) for a in args)
-
 def gpu_time(calls: list, reps: int = 20, graph: bool = True) -> float:
     """Median seconds per call. The calls (e.g. the same kernel on rotating inputs, so that nothing is
     served from L2) are captured back to back in one CUDA graph and its replays timed with events:

@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from kernels import mla_tree_attention as mla_mod
-from kernels.bench import graph_case
+from kernels.bench import mla_case
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
+from test_kernels_gpu import assert_close, poison_allocator
+from verifier_service.graphs import fill_plan, static_plan
+from verifier_service.plan import BatchPlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-SCALE = 0.14467963
+SCALE, HEADS, PAGE = 0.14467963, 10, 64
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +27,35 @@ def _sync_every_launch(monkeypatch):
     monkeypatch.setenv("DDTREE_KERNEL_SYNC", "1")  # a device fault fails the launching test
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """bf16 outputs of fp32 math: 1 % relative error, cosine 0.99995 (as tests/test_kernels_gpu.py)."""
-    o, r = out.double(), ref.double()
-    assert torch.isfinite(o).all(), f"non-finite output at {torch.nonzero(~torch.isfinite(o))[:5].tolist()}"
-    err, cos = (o - r).norm() / r.norm(), torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0)
-    assert err < 1e-2 and cos > 0.99995, f"rel {err:.2e} cos {cos:.8f}"
+def graph_case(rows: list[int], prefixes: list[int], bucket: int, sessions: int, seed: int, capacity: int,
+               num_pages: int = 0, device="cuda"):
+    """mla_case's batch padded by verifier_service/graphs (static_plan + fill_plan) into a graph's static plan of
+    `bucket` rows and `sessions` + 1 sequences, its pad slot on a zeroed extra page. `num_pages`: the cache's pages at
+    least (NaN past mla_case's own), so that several plans can share one graph's shapes. -> mla_tree_attention's
+    arguments."""
+    q, kv, table, prefix, starts, mask, slots = mla_case(rows, prefixes, HEADS, PAGE, "cpu", seed, capacity)
+    T = sum(rows)
+    pages = max(num_pages, kv.shape[0] + 1)
+    cache = torch.full((pages, PAGE, 576), float("nan"), dtype=torch.bfloat16)
+    cache[: kv.shape[0]] = kv
+    cache[-1] = 0
+    zeros = torch.zeros(T, dtype=torch.int64)
+    live = BatchPlan(token_ids=zeros, positions=zeros, write_slots=slots, row_starts=starts, prefix_lens=prefix,
+                     page_table=table, tree_mask=mask)
+    static = static_plan(bucket, sessions, table.shape[1], "cpu")
+    fill_plan(static, live, pad_slot=(pages - 1) * PAGE)
+    q_pad = torch.randn(bucket, HEADS, 576, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    q_pad[:T] = q
+    args = (q_pad, cache, static.page_table, static.prefix_lens, static.row_starts, static.tree_mask,
+            static.write_slots)
+    return tuple(a.contiguous().to(device) for a in args)
 
 
-def poisoned_empty_cache() -> None:
-    """NaN in torch's cached blocks: an output row or partial the kernel never writes shows up."""
-    junk = torch.full((64 << 20,), float("nan"), device="cuda")
-    del junk
+def check(args) -> None:
+    """bf16 outputs of fp32 math: tests/test_kernels_gpu.py's tolerances (1 % relative error, cosine 0.99995)."""
+    poison_allocator()
+    assert_close(mla_tree_attention(*args, SCALE, pad_last=True), mla_tree_attention_ref(*args, SCALE),
+                 rel=1e-2, cos=0.99995)
 
 
 CASES = [  # (live rows, live prefixes, row bucket, session bucket)
@@ -52,28 +72,24 @@ CASES = [  # (live rows, live prefixes, row bucket, session bucket)
 
 @pytest.mark.parametrize("rows,prefixes,bucket,sessions", CASES)
 def test_device_schedule(rows, prefixes, bucket, sessions):
-    args = graph_case(rows, prefixes, 10, 64, bucket, sessions, seed=len(rows), capacity=131072)
-    poisoned_empty_cache()
-    assert_close(mla_tree_attention(*args, SCALE, pad_last=True), mla_tree_attention_ref(*args, SCALE))
+    check(graph_case(rows, prefixes, bucket, sessions, seed=len(rows), capacity=131072))
 
 
 @pytest.mark.parametrize("config", mla_mod.CONFIGS)
 def test_device_schedule_every_config(config, monkeypatch):
     """Each compiled kernel deals by its own query tile (16, 32 or 64 rows); (16, 1) runs two blocks an SM."""
     monkeypatch.setattr(mla_mod, "CONFIG", config)
-    args = graph_case([5, 17, 2], [3000, 700, 1], 10, 64, 32, 4, seed=3, capacity=8192)
-    poisoned_empty_cache()
-    assert_close(mla_tree_attention(*args, SCALE, pad_last=True), mla_tree_attention_ref(*args, SCALE))
+    check(graph_case([5, 17, 2], [3000, 700, 1], 32, 4, seed=3, capacity=8192))
 
 
 def test_one_graph_follows_each_live_plan():
     """One capture (16-row bucket, 4-session bucket), then plans of 1-4 live sessions, with and without prefixes,
     copied into its static buffers and replayed: the split count and the deal follow each plan on the device."""
-    bucket, sessions, capacity, page = 16, 4, 32768, 64
+    bucket, sessions, capacity = 16, 4, 32768
     plans = [([9], [12000]), ([3, 5, 1, 7], [100, 5000, 32000, 0]), ([1, 1, 1], [32000, 32000, 200]),
              ([16], [0]), ([4, 4, 4, 4], [3000, 3000, 3000, 3000]), ([2, 14], [32000, 64])]
-    pages = max(sum(math.ceil(p / page) + math.ceil(r / page) for r, p in zip(rs, ps)) + 4 for rs, ps in plans)
-    cases = [graph_case(rs, ps, 10, page, bucket, sessions, seed=i, capacity=capacity, num_pages=pages)
+    pages = max(sum(math.ceil(p / PAGE) + math.ceil(r / PAGE) for r, p in zip(rs, ps)) + 4 for rs, ps in plans)
+    cases = [graph_case(rs, ps, bucket, sessions, seed=i, capacity=capacity, num_pages=pages)
              for i, (rs, ps) in enumerate(plans)]
     static = [a.clone() for a in cases[0]]
     mla_tree_attention(*static, SCALE, pad_last=True)  # eager first: loads the kernels, makes the tensor map
@@ -85,4 +101,4 @@ def test_one_graph_follows_each_live_plan():
             buf.copy_(a)
         graph.replay()
         torch.cuda.synchronize()
-        assert_close(out, mla_tree_attention_ref(*case, SCALE))
+        assert_close(out, mla_tree_attention_ref(*case, SCALE), rel=1e-2, cos=0.99995)
