@@ -443,3 +443,37 @@ def test_moe_side_stream_equals_one_stream(split, rows, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17])
+def test_split_moe_streams_equal_one_stream(rows):
+    """The split layout's two streams (routed chain on the high-priority side stream below ROUTED_ON_MAIN_MIN_ROWS,
+    on the main stream from it with the shared MLP beside) give the bits of one stream running the shared MLP, then
+    the router and the routed experts adding it: eagerly and replayed from a CUDA graph, so the routed down kernel
+    never reads the shared output before the other stream has written it."""
+    from verifier_service import moe
+    from verifier_service.synthetic import k26_config, random_target
+    from verifier_service.weights import Split
+
+    cfg = k26_config(2)
+    layer = random_target(cfg, experts=range(0, 55), heads=range(0, 10), split=Split(0, 7)).layers[1].mlp
+    g = torch.Generator("cuda").manual_seed(rows)
+    xs = [torch.randn(rows, cfg.hidden_size, generator=g, device="cuda").bfloat16() for _ in range(3)]
+    want = [moe.routed_experts(x, layer, cfg, None, True, None, add=moe.mlp(x, layer.shared_experts, True)) for x in xs]
+
+    def forward(x):
+        return moe.moe_forward(x, layer, cfg, lambda t: t, use_kernel=True)
+
+    for x, ref in zip(xs, want):
+        assert torch.equal(forward(x), ref)
+    static = xs[0].clone()
+    forward(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(static)
+    for x, ref in zip(xs, want):
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

@@ -80,6 +80,24 @@ def test_moe_gate_ties_pick_the_lower_expert():
         torch.testing.assert_close(weights, torch.full((4, 6), 1 / 6, device="cuda"))
 
 
+def test_moe_gate_never_picks_nan_or_minus_inf():
+    """-inf biases are never chosen while finite scores are left (brute force on the other experts), and a row whose
+    scores are all NaN (a poisoned activation) still gets in-range ids without disturbing the rest of its batch."""
+    x, gate, bias = router(5, 384, 7168, torch.bfloat16, seed=3)
+    bias[::3] = float("-inf")
+    x[2] = float("nan")
+    ids, weights = moe_gate(x, gate, bias, 8, SCALE)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 384
+    fine = [0, 1, 3, 4]
+    want_ids, want_w, order = brute_force(x[fine], gate, bias, 8, True)
+    assert ((order[:, 7] - order[:, 8]) > 1e-5).all()  # no near-tie at the 8th choice in these rows
+    assert torch.equal(ids[fine], want_ids)
+    torch.testing.assert_close(weights[fine].double(), want_w, rtol=1e-5, atol=1e-6)
+    for r in fine:
+        one_ids, one_w = moe_gate(x[r: r + 1].contiguous(), gate, bias, 8, SCALE)
+        assert torch.equal(one_ids[0], ids[r]) and torch.equal(one_w[0], weights[r])
+
+
 def test_moe_gate_empty_batch():
     x, gate, bias = router(0, 384, 7168, torch.bfloat16, seed=1)
     ids, weights = moe_gate(x, gate, bias, 8, SCALE)

@@ -28,6 +28,16 @@ ExpertMatrix = Int4Weight | torch.Tensor  # INT4 stack, or a dense [E_local, out
 # 5.38-5.39; 2 rows 5.70-5.71 / 5.75-5.86; 8 rows 6.30-6.32 / 6.50-6.59; 16 rows 7.45-7.49 / 7.54-7.55. 32 rows
 # were too noisy to say (9.13, 9.70 / 9.24, 9.30).
 SIDE_STREAM_MAX_ROWS = 16
+# Rows from which the split layout's router and routed experts stay on the main stream, right after the norm that
+# feeds them, and the shared MLP takes a side stream of default priority (`_kernel_with_shared`). On the main stream
+# the router launches by PDL while the norm runs, so its weights are in flight when the norm ends; on a side stream
+# it starts only after the norm's grid has completed (a plain graph edge). Below it the routed chain keeps the
+# high-priority side stream. H200, 16 full-dimension layers, rank 0 of 7, graph ms, median of 4 alternated rounds
+# (model / uniform routing), routed chain on the side -> on the main stream: 1 row 1.327 -> 1.328 / 1.282 -> 1.295;
+# 2 rows 1.482 -> 1.492 / 1.534 -> 1.537; 16 rows 1.975 -> 1.945 / 3.360 -> 3.297. Two rounds: 4 rows -0.9 / -1.4 %,
+# 8 rows -2.0 / -0.8 %, 32 rows -1.9 / -1.6 %, 64 rows +0.1 / -0.1 %. With the shared MLP on the high-priority
+# stream instead, 1-2 and 32-64 rows lost 1-3 % more.
+ROUTED_ON_MAIN_MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -245,19 +255,23 @@ def moe_forward(
 def _kernel_with_shared(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
                         on_experts: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
     """This rank's routed experts (INT4 kernel) + its part of the split shared expert: x [T, H] -> [T, H].
-    The router and the routed experts run on a side stream beside the whole shared MLP, and the kernel's
-    combine starts each token's sum from the shared output: only its down launch waits for the main stream,
-    and no launch follows the routed experts. H200, 61-layer step, rank 0 of 7, graph ms, against the shared
-    down projection adding into the routed sum after the join (side stream up to 16 rows): model routing
-    1 / 16 / 32 / 64 rows 4.918 / 7.217 / 9.090 / 13.160 -> 4.796 / 6.944 / 8.716 / 12.338; uniform routing
-    1 / 16 / 64 rows 4.849 / 13.026 / 26.844 -> 4.734 / 12.856 / 26.049. On one stream from 32 rows it lost
-    1-2 %."""
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    The router and the routed experts run beside the whole shared MLP on two streams, and the kernel's combine
+    starts each token's sum from the shared output: only its down launch waits for the shared MLP, and no launch
+    follows the routed experts. H200, 61-layer step, rank 0 of 7, graph ms, against the shared down projection
+    adding into the routed sum after the join (side stream up to 16 rows): model routing 1 / 16 / 32 / 64 rows
+    4.918 / 7.217 / 9.090 / 13.160 -> 4.796 / 6.944 / 8.716 / 12.338; uniform routing 1 / 16 / 64 rows
+    4.849 / 13.026 / 26.844 -> 4.734 / 12.856 / 26.049. On one stream from 32 rows it lost 1-2 %.
+    Which chain takes the side stream: see ROUTED_ON_MAIN_MIN_ROWS."""
+    main = torch.cuda.current_stream(x.device)
+    on_main = x.shape[0] >= ROUTED_ON_MAIN_MIN_ROWS
+    side = _shared_stream(x.device) if on_main else _side_stream(x.device)
+    shared_on, routed_on = (side, main) if on_main else (main, side)
     side.wait_stream(main)
-    shared = mlp(x, w.shared_experts, True)  # [T, H], beside the router and the routed experts
-    ready = torch.cuda.Event()
-    ready.record(main)
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(shared_on):
+        shared = mlp(x, w.shared_experts, True)  # [T, H], beside the router and the routed experts
+        ready = torch.cuda.Event()
+        ready.record(shared_on)
+    with torch.cuda.stream(routed_on):
         out = routed_experts(x, w, cfg, on_experts, True, None, add=shared, add_ready=ready)
     main.wait_stream(side)
     return out
@@ -284,12 +298,19 @@ def routed_experts(x: torch.Tensor, w: MoEWeights, cfg: K2Config, on_experts: Ca
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the routed experts (captured into the same CUDA graphs: it forks from
-    and joins the capturing stream within each MoE layer). High priority: the router → experts chain is the
+    """One side stream per device for the routed experts (below ROUTED_ON_MAIN_MIN_ROWS in the split layout; captured
+    into the same CUDA graphs: it forks from and joins the capturing stream within each MoE layer). High priority: the router → experts chain is the
     layer's critical path, and the shared MLP beside it has slack, so the side's blocks are scheduled first
     (H200, 61-layer step, two A/B runs: 1 row 4.786 / 4.785 -> 4.728 / 4.707 ms with model routing, 4.694 / 4.704
     -> 4.664 / 4.660 uniform; 16-64 rows within ±0.8 %)."""
     return torch.cuda.Stream(device, priority=-1)
+
+
+@functools.cache
+def _shared_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the split shared MLP when the routed chain keeps the main stream (default
+    priority: the shared MLP has slack, the routed chain does not)."""
+    return torch.cuda.Stream(device)
 
 
 def kernel_fits(x: torch.Tensor, experts: ExpertStack) -> bool:
