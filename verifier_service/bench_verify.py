@@ -16,6 +16,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import random
 
 import torch
@@ -24,7 +25,7 @@ from kernels.bench import copy_bandwidth
 from verifier_service.config import VerifierConfig
 from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service import moe as moe_module, ranks
+from verifier_service import moe as moe_module, ranks, step_trace
 from verifier_service.model import K2Model, identity
 from verifier_service.plan import SeqRows, build_plan, plan_to, tree_parents
 from verifier_service.ranks import split_range, split_rows
@@ -59,6 +60,8 @@ def add_parser(bsub) -> None:
                    help="under torchrun: all-reduces up to this many KiB by kernels/all_reduce (the verifier's "
                         "flag); 0 = NCCL for all")
     p.add_argument("--out", help="also write the rows as JSON lines here")
+    p.add_argument("--trace", metavar="DIR", help="also profile 5 graph replays of each tree size: Chrome traces "
+                                                 "DIR/verify_rows<T>.json and a summary per step (step_trace.py)")
     p.set_defaults(func=main)
 
 
@@ -250,6 +253,14 @@ def main(args) -> int:
         out_rows.append(row)
         say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
             f"{floor:>9.3f} {replay / floor:>11.2f} {touched:>7.1f} {routed:>12.3f} {replay / routed:>18.2f}")
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            suffix = "" if reduce is identity else f"_rank{rank}"  # every rank replays (the collectives need it)
+            path = os.path.join(args.trace, f"verify_rows{rows}{suffix}.json")
+            with uniform_routing(cfg, rows * args.sessions) if args.routing == "uniform" else contextlib.nullcontext():
+                summary = step_trace.trace_replays(lambda: graphs.forward(host_plan, ()), path)
+            for line in step_trace.describe(summary):
+                say(line)
     if args.out and rank == 0:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in out_rows)
