@@ -430,6 +430,12 @@ def test_moe_side_stream_equals_one_stream(split, rows, monkeypatch):
     monkeypatch.setattr(moe, "SIDE_STREAM_MAX_ROWS", 0)
     want = [forward(x) for x in xs]
     monkeypatch.setattr(moe, "SIDE_STREAM_MAX_ROWS", rows)
+    assert_eager_and_graph_equal(forward, xs, want)
+
+
+def assert_eager_and_graph_equal(forward, xs: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """forward(x) gives want's bits for every x eagerly, and replayed from one CUDA graph captured on a static input
+    (the graph must fork and join its streams as the eager calls do)."""
     for x, ref in zip(xs, want):
         assert torch.equal(forward(x), ref)
     static = xs[0].clone()
@@ -461,19 +467,4 @@ def test_split_moe_streams_equal_one_stream(rows):
     xs = [torch.randn(rows, cfg.hidden_size, generator=g, device="cuda").bfloat16() for _ in range(3)]
     want = [moe.routed_experts(x, layer, cfg, None, True, None, add=moe.mlp(x, layer.shared_experts, True)) for x in xs]
 
-    def forward(x):
-        return moe.moe_forward(x, layer, cfg, lambda t: t, use_kernel=True)
-
-    for x, ref in zip(xs, want):
-        assert torch.equal(forward(x), ref)
-    static = xs[0].clone()
-    forward(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward(static)
-    for x, ref in zip(xs, want):
-        static.copy_(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    assert_eager_and_graph_equal(lambda x: moe.moe_forward(x, layer, cfg, lambda t: t, use_kernel=True), xs, want)
