@@ -36,7 +36,8 @@ SIDE_STREAM_MAX_ROWS = 16
 # (model / uniform routing), routed chain on the side -> on the main stream: 1 row 1.327 -> 1.328 / 1.282 -> 1.295;
 # 2 rows 1.482 -> 1.492 / 1.534 -> 1.537; 16 rows 1.975 -> 1.945 / 3.360 -> 3.297. Two rounds: 4 rows -0.9 / -1.4 %,
 # 8 rows -2.0 / -0.8 %, 32 rows -1.9 / -1.6 %, 64 rows +0.1 / -0.1 %. With the shared MLP on the high-priority
-# stream instead, 1-2 and 32-64 rows lost 1-3 % more.
+# stream instead, 1-2 and 32-64 rows lost 1-3 % more. 61 layers, from 4 rows on the main stream: 4 rows -2.0 / -1.7 %,
+# 16 rows -2.2 / -2.3 %, 64 rows +0.1 / 0 % (docs/BENCHMARKS.md, "Session 34").
 ROUTED_ON_MAIN_MIN_ROWS = 4
 
 
@@ -299,8 +300,9 @@ def routed_experts(x: torch.Tensor, w: MoEWeights, cfg: K2Config, on_experts: Ca
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for the routed experts (below ROUTED_ON_MAIN_MIN_ROWS in the split layout; captured
-    into the same CUDA graphs: it forks from and joins the capturing stream within each MoE layer). High priority: the router → experts chain is the
-    layer's critical path, and the shared MLP beside it has slack, so the side's blocks are scheduled first
+    into the same CUDA graphs: it forks from and joins the capturing stream within each MoE layer). High priority:
+    the router → experts chain is the layer's critical path, and the shared MLP beside it has slack, so the side's
+    blocks are scheduled first
     (H200, 61-layer step, two A/B runs: 1 row 4.786 / 4.785 -> 4.728 / 4.707 ms with model routing, 4.694 / 4.704
     -> 4.664 / 4.660 uniform; 16-64 rows within ±0.8 %)."""
     return torch.cuda.Stream(device, priority=-1)

@@ -74,8 +74,8 @@ def trace_replays(run: Callable[[], object], path: str, replays: int = 5) -> Ste
 
 def describe(s: StepSummary, top: int = 12) -> list[str]:
     """The summary as comment lines for the bench's output."""
-    lines = [f"#   {s.replays} profiled replays: GPU busy {s.busy_us:.1f} us per step (span {s.span_us:.1f} us with the "
-             f"host's gaps); kernels by summed time per step (PDL waits included):"]
+    lines = [f"#   {s.replays} profiled replays: GPU busy {s.busy_us:.1f} us per step (span {s.span_us:.1f} us "
+             f"with the host's gaps); kernels by summed time per step (PDL waits included):"]
     for name, us, n in s.kernels[:top]:
         lines.append(f"#   {us:9.1f} us  {n:6.1f}x  {name[:90]}")
     return lines
