@@ -30,7 +30,7 @@ def kernel(name, ts, dur, stream=7, cat="kernel"):
 def test_summary_per_step():
     # two replays of a step: a -> b (b overlaps a on another stream), then c after an idle gap; CPU events ignored
     events = []
-    for r, t0 in enumerate((1000.0, 1100.0)):
+    for t0 in (1000.0, 1100.0):
         events += [kernel("a", t0, 10), kernel("b", t0 + 5, 20, stream=9), kernel("c", t0 + 40, 5),
                    kernel("Memcpy HtoD", t0 - 3, 2, cat="gpu_memcpy"),
                    dict(ph="X", cat="cpu_op", name="aten::copy_", ts=t0, dur=500)]

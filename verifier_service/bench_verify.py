@@ -257,8 +257,8 @@ def main(args) -> int:
             os.makedirs(args.trace, exist_ok=True)
             suffix = "" if reduce is identity else f"_rank{rank}"  # every rank replays (the collectives need it)
             path = os.path.join(args.trace, f"verify_rows{rows}{suffix}.json")
-            with uniform_routing(cfg, rows * args.sessions) if args.routing == "uniform" else contextlib.nullcontext():
-                summary = step_trace.trace_replays(lambda: graphs.forward(host_plan, ()), path)
+            # replays of the graph time_step captured (its routing included)
+            summary = step_trace.trace_replays(lambda: graphs.forward(host_plan, ()), path)
             for line in step_trace.describe(summary):
                 say(line)
     if args.out and rank == 0:

@@ -302,9 +302,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for the routed experts (below ROUTED_ON_MAIN_MIN_ROWS in the split layout; captured
     into the same CUDA graphs: it forks from and joins the capturing stream within each MoE layer). High priority:
     the router → experts chain is the layer's critical path, and the shared MLP beside it has slack, so the side's
-    blocks are scheduled first
-    (H200, 61-layer step, two A/B runs: 1 row 4.786 / 4.785 -> 4.728 / 4.707 ms with model routing, 4.694 / 4.704
-    -> 4.664 / 4.660 uniform; 16-64 rows within ±0.8 %)."""
+    blocks are scheduled first (H200, 61-layer step, two A/B runs: 1 row 4.786 / 4.785 -> 4.728 / 4.707 ms with model
+    routing, 4.694 / 4.704 -> 4.664 / 4.660 uniform; 16-64 rows within ±0.8 %)."""
     return torch.cuda.Stream(device, priority=-1)
 
 
