@@ -21,15 +21,17 @@ PRESETS = ("k26", "k26-mini")
 CHAIN = "chain"
 
 
-def drafter_bytes(dcfg, vocab: int, context: int, itemsize: int = 2) -> float:
+def drafter_bytes(dcfg, vocab: int, context: int, itemsize: int = 2, weight_itemsize: int | None = None) -> float:
     """Bytes one draft round must read: every drafter weight (fc, attention and MLP of each layer; the RMSNorm
-    vectors left out), the target's lm_head the block's logits multiply by, and `context` rows of drafter
-    K/V (each layer, K and V, kv heads × head_dim). The embedding reads only the block's rows: not counted."""
+    vectors and int8 row scales left out) and the target's lm_head the block's logits multiply by, at
+    `weight_itemsize` bytes a parameter (default `itemsize`; 1: `--quantization int8`), and `context` rows of
+    drafter K/V (each layer, K and V, kv heads × head_dim) at `itemsize`. The embedding reads only the block's
+    rows: not counted."""
     H, hd, I = dcfg.hidden_size, dcfg.head_dim, dcfg.intermediate_size
     attn = H * hd * (2 * dcfg.num_attention_heads + 2 * dcfg.num_key_value_heads)
     layers = dcfg.num_hidden_layers * (attn + 3 * H * I)
     kv = context * dcfg.num_hidden_layers * 2 * dcfg.num_key_value_heads * hd
-    return itemsize * (dcfg.feature_width * H + layers + vocab * H + kv)
+    return (weight_itemsize or itemsize) * (dcfg.feature_width * H + layers + vocab * H) + itemsize * kv
 
 
 def add_parser(bsub) -> None:
@@ -37,6 +39,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--preset", default="k26", choices=PRESETS)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8"),
+                   help="drafter weight storage, as the drafter's --quantization (drafter_service/int8.py)")
     p.add_argument("--sessions", type=int, default=1, help="sessions drafted together in each Propose")
     p.add_argument("--context", type=int, default=4096, help="rows in each session's drafter cache before timing")
     p.add_argument("--new-rows", type=int, default=4, help="feature rows each Propose brings (accepted path)")
@@ -52,10 +56,14 @@ def _engine(args):
     from drafter_service.synthetic import random_drafter
 
     model = random_drafter(args.preset, device=args.device, dtype=getattr(torch, args.dtype))
+    if args.quantization == "int8":
+        from drafter_service.int8 import quantize_drafter
+
+        quantize_drafter(model)
     cfg = model.cfg
     window = 4096  # the served default (EngineOptions.window); pages behind it are freed as the session grows
     pages = args.sessions * 2 * (window // 64 + 1) + 2
-    nbytes = pages * page_bytes(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim, model.fc.weight.dtype)
+    nbytes = pages * page_bytes(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
     engine = DrafterEngine(model, EngineOptions(cache_bytes=nbytes, window=window), name=f"synthetic-{args.preset}")
     engine.warm_up()
     return engine
@@ -99,9 +107,10 @@ def main(args) -> int:
         engine.propose([ProposeItem(f"bench{s}", 0, context, 0, tree_budget=8, reset=True)])
     bw = copy_bandwidth(args.device)
     attended = min(args.context, engine.options.window or args.context)
-    floor_ms = 1e3 * drafter_bytes(cfg, vocab, attended * args.sessions, engine.model.fc.weight.element_size()) / bw
+    floor_ms = 1e3 * drafter_bytes(cfg, vocab, attended * args.sessions, engine.model.dtype.itemsize,
+                                   1 if args.quantization == "int8" else None) / bw
     print(f"# {args.preset} drafter ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
-          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}; {args.sessions} session(s) of {args.context} "
+          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}, weights {args.quantization}; {args.sessions} session(s) of {args.context} "
           f"context rows ({attended} attended), {args.new_rows} new rows each per Propose; copy {bw / 1e9:.0f} GB/s")
     print(f"{'budget':>7} {'median ms':>10} {'p90 ms':>8} {'floor ms':>9} {'median/floor':>13}")
     position, out = args.context, []
@@ -109,7 +118,7 @@ def main(args) -> int:
         seconds, position = _timed_proposes(engine, args, budget.strip(), position, gen)
         median, p90 = statistics.median(seconds) * 1e3, sorted(seconds)[int(0.9 * (len(seconds) - 1))] * 1e3
         out.append(dict(budget=budget.strip(), median_ms=median, p90_ms=p90, floor_ms=floor_ms, preset=args.preset,
-                        device=_device_name(args.device), dtype=args.dtype, context=args.context,
+                        device=_device_name(args.device), dtype=args.dtype, quantization=args.quantization, context=args.context,
                         sessions=args.sessions, new_rows=args.new_rows))
         print(f"{budget.strip():>7} {median:>10.3f} {p90:>8.3f} {floor_ms:>9.3f} {median / floor_ms:>13.2f}")
     if args.out:

@@ -23,6 +23,9 @@ class DrafterConfig(ServerConfig):
                                    "are spread over them (0 = the preset's; K2.6 has 61)")
     device: str = option("cpu", "torch device, e.g. cpu, cuda, cuda:7")
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
+    quantization: str = option("none", "weight storage of the drafter's projections and its lm_head copy: none "
+                               "(dtype), or int8 (one fp32 scale per output row; half the bytes a Propose reads in "
+                               "bfloat16; changes acceptance, never the served tokens)", choices=("none", "int8"))
     torch_threads: int = option(0, "torch CPU threads (0: 1 on a GPU, where the OpenMP pools of services on one "
                                 "host spin against each other; torch's default on CPU)")
     max_tree_budget: int = option(256, "largest tree_budget accepted")
@@ -48,6 +51,8 @@ class DrafterConfig(ServerConfig):
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
         if self.synthetic_layers < 0:
             raise ValueError("synthetic_layers: must be >= 0")
+        if self.quantization not in ("none", "int8"):  # a DDTREE_DRAFTER_QUANTIZATION value skips argparse's choices
+            raise ValueError(f"quantization: {self.quantization!r} is not one of none, int8")
         if self.max_tree_budget < 1:
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:

@@ -118,7 +118,7 @@ class DrafterInfo:
 class DrafterEngine:
     def __init__(self, model: DFlashDrafter, options: EngineOptions = EngineOptions(), *, name: str = "dflash"):
         self.model, self.cfg, self.options, self.name = model, model.cfg, options, name
-        self.device, self.dtype = model.fc.weight.device, model.fc.weight.dtype
+        self.device, self.dtype = model.device, model.dtype
         model.use_kernels(options.use_kernels)
         cfg = self.cfg
         self._page_bytes = page_bytes(cfg.num_hidden_layers, options.page_size, cfg.num_key_value_heads,

@@ -112,7 +112,7 @@ class _Graph:
 class DrafterGraphs:
     def __init__(self, model: DFlashDrafter, pool: KVPool, *, pad_slot: int, max_pages: int):
         self.model, self.pool, self.pad_slot, self.max_pages = model, pool, pad_slot, max_pages
-        self.device = model.fc.weight.device
+        self.device = model.device
         self.mempool = torch.cuda.graph_pool_handle()
         self.inject_graphs: dict[int, _Graph] = {}
         self.block_graphs: dict[tuple[int, int], _Graph] = {}
@@ -190,7 +190,7 @@ class DrafterGraphs:
     def _capture_inject(self, bucket: int) -> _Graph:
         buffers = _Buffers({"positions": (bucket,), "slots": (bucket,)}, self.device)
         buffers.dev["slots"].fill_(self.pad_slot)
-        features = torch.zeros(bucket, self.model.cfg.feature_width, dtype=self.model.fc.weight.dtype,
+        features = torch.zeros(bucket, self.model.cfg.feature_width, dtype=self.model.dtype,
                                device=self.device)
         graph = self._capture(lambda: inject_rows(self.model, self.pool, features, buffers.dev["positions"],
                                                   buffers.dev["slots"]))

@@ -169,9 +169,18 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fused = on and m.weight.is_cuda
-        cfg, w = self.cfg, self.fc.weight
-        self.paged_attention = on and w.is_cuda and supports(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                             cfg.head_dim, cfg.block_size, w.dtype)
+        cfg = self.cfg
+        self.paged_attention = on and self.device.type == "cuda" and supports(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size, self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding's; projections may be stored int8: drafter_service/int8.py)."""
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] int64 → cos, sin [..., 1, hd] (the 1 broadcasts over heads), amplitude folded in."""
@@ -183,7 +192,7 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target feature rows [n, |ids|·H] at absolute positions [n] → K, V [layers, n, nkv, hd] for the cache."""
-        c = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [n, H], shared by every layer
+        c = self.hidden_norm(self.fc(features.to(self.dtype)))  # [n, H], shared by every layer
         cos, sin = self.rope(positions, c.dtype)
         kvs = [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
@@ -206,8 +215,9 @@ class DFlashDrafter(nn.Module):
         """[..., H] → fp32 logits [..., V] through the target's lm_head (written into `out` if given)."""
         # One 2-D GEMM: a 3-D (or non-contiguous) hidden makes torch run a bmm that re-reads the 2.3 GB Kimi
         # head once per session (18 ms at 32 sessions on an H200, against 0.7 ms).
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        logits = F.linear(flat, self.lm_head).float().view(*hidden.shape[:-1], -1)
+        flat, head = hidden.reshape(-1, hidden.shape[-1]), self.lm_head
+        logits = (head(flat) if isinstance(head, nn.Module) else F.linear(flat, head))  # int8: drafter_service/int8
+        logits = logits.float().view(*hidden.shape[:-1], -1)
         logits = torch.mul(logits, self.cfg.output_multiplier, out=out)
         cap = self.cfg.final_logit_softcapping
         if cap:  # out of place: autograd (drafter training) keeps tanh's output

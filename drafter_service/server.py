@@ -9,6 +9,7 @@ one Propose (a reset's inject of a full window: tens of ms).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import torch
 
@@ -17,8 +18,10 @@ from ddtree.internal.v1 import drafter_pb2_grpc as dpb_grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import (DraftMode, DrafterEngine, EngineOptions, ItemError, Proposal, ProposeItem,
                                     UnknownSessionError)
+from drafter_service.int8 import quantize_drafter
 from drafter_service.metrics import PROPOSE_SECONDS
 from drafter_service.propose_socket import ProposeSocketServer
+from drafter_service.weights import load_drafter
 from service_kit import busy_poll
 from service_kit.config import limit_torch_threads
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
@@ -117,9 +120,13 @@ def load_engine(config: DrafterConfig) -> DrafterEngine:
 
         model = random_drafter(config.synthetic, target_layers=config.synthetic_layers, device=config.device,
                                dtype=DTYPES[config.dtype])
-        return DrafterEngine(model, options, name=f"synthetic-{config.synthetic}")
-    return DrafterEngine.load(config.model, config.target_model, device=config.device,
-                              dtype=DTYPES[config.dtype], options=options)
+        name = f"synthetic-{config.synthetic}"
+    else:
+        model, name = load_drafter(config.model, config.target_model, device=config.device,
+                                   dtype=DTYPES[config.dtype]), Path(config.model).name
+    if config.quantization == "int8":
+        quantize_drafter(model)
+    return DrafterEngine(model, options, name=name)
 
 
 def main(config: DrafterConfig) -> int:

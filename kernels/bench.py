@@ -402,10 +402,11 @@ def main(preset: str = "k26", out: str | None = None, only: str | None = None) -
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []
-    from kernels.bench_drafter import bench_ddtree, bench_dflash
+    from kernels.bench_drafter import bench_ddtree, bench_dflash, bench_linear_int8
 
-    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_linear_bf16, bench_ddtree, bench_dflash):
-        if only is None or only in bench.__name__:  # --only moe / mla / small / linear / ddtree / dflash
+    for bench in (bench_moe, bench_mla, bench_small, bench_linear, bench_linear_bf16, bench_linear_int8, bench_ddtree,
+                  bench_dflash):
+        if only is None or only in bench.__name__:  # --only moe / mla / small / linear / int8 / ddtree / dflash
             rows += bench(bw)
     # %copy: of the 2 GiB copy's rate; %same: of a plain stream that moves the same bytes (same_size_stream)
     print(f"{'kernel':<20} {'case':<44} {'us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'%same':>6} {'TFLOP/s':>8} "

@@ -57,3 +57,33 @@ def bench_dflash(copy_bw: float) -> list[dict]:
         rows.append(result_row("dflash_attention", f"sessions={B} keys={pages * 64} heads={nh}/{nkv}x{hd}", t, nbytes,
                                copy_bw, t_ref))
     return rows
+
+
+# (N, K) of the Kimi DFlash drafter's projections and the lm_head its logits multiply by: q, k (= v), o, gate
+# (= up), down, fc (6 target layers x 7168 inputs), lm_head.
+DRAFTER_GEMMS = ((8192, 7168), (1024, 7168), (7168, 8192), (18432, 7168), (7168, 18432), (7168, 43008),
+                 (163840, 7168))
+
+
+def bench_linear_int8(copy_bw: float) -> list[dict]:
+    """w8a16_gemm (the drafter's `--quantization int8`) at a Propose's rows (8 per session) against F.linear
+    (cuBLAS) over the bf16 weight, what the bf16 drafter runs; bytes = int8 weight + row scales + x + y. The
+    calls rotate over >= 256 MB of weights (copies_past_l2), so every weight comes from HBM."""
+    import torch.nn.functional as F
+
+    from kernels.bench import copies_past_l2
+    from kernels.w8a16_gemm import quantize_int8, w8a16_gemm
+
+    rows = []
+    for N, K in DRAFTER_GEMMS:
+        n = copies_past_l2(N * K)
+        ws = [(torch.randn(N, K, device="cuda") * K**-0.5).bfloat16() for _ in range(n)]
+        qs = [quantize_int8(w) for w in ws]
+        for M in (1, 8, 16, 32, 64):
+            xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(n)]
+            t = gpu_time([lambda x=x, q=q: w8a16_gemm(x, *q) for x, q in zip(xs, qs)])
+            t_ref = gpu_time([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)])
+            nbytes = N * K + 4 * N + (M * K + M * N) * 2
+            rows.append(result_row("w8a16_gemm", f"rows={M} N={N} K={K}", t, nbytes, copy_bw, t_ref))
+        del ws, qs
+    return rows

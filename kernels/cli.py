@@ -7,7 +7,7 @@ import importlib
 import sys
 
 MODULES = ("moe_w4a16", "moe_gate", "mla_tree_attention", "mla_rope", "ddtree_build", "tree_accept", "kv_commit",
-           "rms_norm", "skinny_linear", "skinny_gemm", "silu_mul", "dflash_attention", "all_reduce")
+           "rms_norm", "skinny_linear", "skinny_gemm", "w8a16_gemm", "silu_mul", "dflash_attention", "all_reduce")
 
 
 def check(archs: list[str]) -> int:
@@ -58,7 +58,7 @@ def add_bench_parser(bsub) -> None:
     bk = bsub.add_parser("kernels", help="time every kernel against its torch reference on the GPU")
     bk.add_argument("--preset", default="k26", choices=["k26"])
     bk.add_argument("--out", help="also write the table as JSON lines here")
-    bk.add_argument("--only", help="bench only the group whose name contains this: moe, mla, small, linear, ddtree, "
+    bk.add_argument("--only", help="bench only the group whose name contains this: moe, mla, small, linear, int8, ddtree, "
                                    "dflash")
     bk.set_defaults(func=_bench_cmd)
 

@@ -98,3 +98,37 @@ def test_graph_replay_equals_eager(tmp_path):
     assert set(graphs.tree_graphs) == {(b, 16, 16) for b in (1, 2, 4, 8)}  # trees of batches 1, 2, 3-4, 5
     assert engines[True].warm_up() == len(INJECT_BUCKETS) + 4 * 6  # batches 1-8 x page widths 1..16, 17
     assert engines[False].warm_up() == 0
+
+
+def test_int8_drafter_kernel_matches_dequantized_weights(tmp_path, monkeypatch):
+    """`--quantization int8` on a GPU: the Propose's projections and lm_head on kernels/w8a16_gemm (CUDA graphs)
+    draft what the unquantized architecture drafts from the dequantized weights (bf16 nn.Linear weights
+    overwritten, cuBLAS, eager), up to bf16 rounding."""
+    import kernels.w8a16_gemm as w8
+    from drafter_service import int8
+    from service_kit.tools import make_tiny
+
+    d = make_tiny(tmp_path / "tiny")
+    engines = {graphs: DrafterEngine.load(d / "drafter", d, device="cuda", dtype=torch.bfloat16,
+                                          options=EngineOptions(cache_bytes=64 << 20, window=1024, cuda_graphs=graphs))
+               for graphs in (False, True)}
+    twin = engines[False].model
+    for m in twin.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight.copy_(w8.dequantize_int8(*w8.quantize_int8(m.weight), m.weight.dtype))
+    twin.lm_head = w8.dequantize_int8(*w8.quantize_int8(twin.lm_head), twin.lm_head.dtype)
+    int8.quantize_drafter(engines[True].model)
+    calls = []
+    kernel = w8.w8a16_gemm
+    monkeypatch.setattr(w8, "w8a16_gemm", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    width = engines[True].cfg.feature_width
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        items = [ProposeItem(f"s{i}", 5 * step, torch.randn(5, width, generator=g), root_token=11 + i + step,
+                             tree_budget=8, return_draft_logprobs=True) for i in range(3)]
+        for want, got in zip(engines[False].propose(items), engines[True].propose(items)):
+            assert isinstance(want, Proposal) and isinstance(got, Proposal)
+            err = float(abs(want.topk_logprobs[:, 0] - got.topk_logprobs[:, 0]).max())
+            assert err < 0.1, f"step {step}: top-1 log-prob differs by {err}"
+            assert float((want.topk_ids[:, 0] == got.topk_ids[:, 0]).mean()) >= 0.8
+    assert calls  # the kernel ran (eagerly while the graphs were captured)

@@ -87,6 +87,7 @@ def run(args) -> int:
     drafter_device = args.drafter_device or args.device
     report = {"model": str(model), "drafter": str(drafter), "device": args.device, "dtype": args.dtype,
               "drafter_device": drafter_device, "drafter_dtype": args.drafter_dtype,
+              "drafter_quantization": args.drafter_quantization,
               "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
               "response_format": args.response_format, "adaptive_budget": args.adaptive_budget,
               "prompts": [{"key": p["key"], "tokens": len(p["ids"])} for p in prompts],
@@ -95,7 +96,7 @@ def run(args) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.in_process:
         pair = InProcessPair(model, drafter, device=args.device, dtype=dtypes[args.dtype],
-                             drafter_dtype=dtypes[args.drafter_dtype])
+                             drafter_dtype=dtypes[args.drafter_dtype], drafter_quantization=args.drafter_quantization)
         report["block_size"] = pair.block_size
         report["rows"] += run_in_process(pair, prompts, modes=modes, temperatures=temps, max_new=args.max_new,
                                          seed=args.seed, log=log)
@@ -129,6 +130,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter-dtype", default=None, choices=("float32", "bfloat16"),
                    help="default: bfloat16 on cuda, float32 on cpu. The draft never changes the output (the target "
                         "verifies every token), so an fp32 target for exact AR comparison can keep a bf16 drafter")
+    p.add_argument("--drafter-quantization", default="none", choices=("none", "int8"),
+                   help="the drafter's weight storage, as its --quantization (in-process harness only)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-new", type=int, default=128)

@@ -38,7 +38,7 @@ def block_logits(d: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor, an
     cfg = d.cfg
     B, S = tokens.shape
     A, Bk = anchors.shape[1], cfg.block_size
-    c = d.hidden_norm(d.fc(feats.to(d.fc.weight.dtype)))  # [B, S, H]
+    c = d.hidden_norm(d.fc(feats.to(d.dtype)))  # [B, S, H]
     ctx_pos = torch.arange(S, device=tokens.device)
     cos_c, sin_c = d.rope(ctx_pos[None].expand(B, S), c.dtype)  # [B, S, 1, hd]
     block_pos = (anchors[:, :, None] + torch.arange(Bk, device=tokens.device)).flatten(1)  # [B, A*Bk]

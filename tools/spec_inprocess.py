@@ -79,8 +79,10 @@ class InProcessPair:
 
     def __init__(self, model_dir: str | Path, drafter_dir: str | Path | None = None, *, device: str = "cpu",
                  dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None, kv_cache_mb: int = 64,
-                 page_size: int = 64):
+                 page_size: int = 64, drafter_quantization: str = "none"):
         from drafter_service.engine import DrafterEngine, EngineOptions
+        from drafter_service.int8 import quantize_drafter
+        from drafter_service.weights import load_drafter
         from verifier_service.kv_cache import PagedKVCache
         from verifier_service.model import K2Model
         from verifier_service.model_config import K2Config
@@ -96,9 +98,11 @@ class InProcessPair:
                                               width=self.cfg.kv_cache_width, page_size=page_size,
                                               dtype=self.dtype, device=self.device)
         drafter_dir = Path(drafter_dir) if drafter_dir else Path(model_dir) / "drafter"
-        self.drafter = DrafterEngine.load(drafter_dir, model_dir, device=self.device, dtype=drafter_dtype or self.dtype,
-                                          options=EngineOptions(cache_bytes=32 << 20, window=4096,
-                                                                max_tree_budget=1024))
+        drafter = load_drafter(drafter_dir, model_dir, device=self.device, dtype=drafter_dtype or self.dtype)
+        if drafter_quantization == "int8":  # the drafter service's --quantization int8
+            quantize_drafter(drafter)
+        self.drafter = DrafterEngine(drafter, EngineOptions(cache_bytes=32 << 20, window=4096, max_tree_budget=1024),
+                                     name=drafter_dir.name)
         info = self.drafter.info()
         self.layer_ids, self.block_size = info.target_layer_ids, info.block_size
         self.tree_clock = _TreeClock(self.device)

@@ -1,0 +1,93 @@
+"""The drafter's int8 weights (drafter_service/int8.py, kernels/w8a16_gemm.quantize_int8) on CPU: the rounding
+against brute force, and a quantized drafter against the same drafter built from the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from drafter_service.int8 import Int8Linear, quantize_drafter
+from drafter_service.synthetic import random_drafter
+from kernels.w8a16_gemm import dequantize_int8, quantize_int8, w8a16_gemm_ref
+
+
+def test_quantize_int8_rounds_each_row_to_its_nearest_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 50, generator=g) * torch.rand(37, 1, generator=g) * 3
+    w[5] = 0  # an all-zero row keeps scale 1 and q 0
+    w[9, 7] = -w[9].abs().max() * 2  # the row's largest magnitude is negative
+    q, scale = quantize_int8(w.bfloat16(), rows_per_pass=8)  # several passes
+    w = w.bfloat16().double()
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape and scale.shape == (37,)
+    assert int(q.abs().max()) == 127 and scale[5] == 1 and not q[5].any() and q[9, 7] == -127
+    for n in range(37):  # brute force: the scale is max|w| / 127, and q the nearest of the 255 steps
+        s = float(w[n].abs().max()) / 127 or 1.0
+        assert float(scale[n]) == pytest.approx(s, rel=1e-6)
+        # within half a step (no other step is nearer), up to fp32's rounding of w / scale (<= 127 · 2^-23 steps)
+        err = (w[n] - q[n].double() * float(scale[n])).abs()
+        assert (err <= float(scale[n]) * (0.5 + 127 * 2**-23)).all()
+
+
+def test_int8_linear_is_the_dequantized_linear():
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(24, 32, generator=g), torch.randn(24, generator=g), torch.randn(2, 3, 32, generator=g)
+    lin = Int8Linear.from_weight(w, b)
+    q, scale = quantize_int8(w)
+    want = x @ (q.float() * scale[:, None]).T + b
+    assert torch.allclose(lin(x), want, rtol=1e-6, atol=1e-5) and lin(x).shape == (2, 3, 24)
+    # the kernel's torch reference is the same product, in fp64, rounded once
+    ref = w8a16_gemm_ref(x.reshape(6, 32).bfloat16(), q, scale)
+    assert torch.allclose(ref.float(), (x.reshape(6, 32).bfloat16().double() @ (q.double() * scale.double()[:, None]).T)
+                          .bfloat16().float())
+
+
+def test_quantized_drafter_equals_drafter_with_dequantized_weights():
+    """A drafter after quantize_drafter computes exactly what the original architecture computes from the
+    dequantized weights (built independently: each nn.Linear's weight and the lm_head overwritten), and its
+    logits stay close to the bf16-free fp32 original's."""
+    model = random_drafter("k26-mini", dtype=torch.float32, seed=3)
+    twin = random_drafter("k26-mini", dtype=torch.float32, seed=3)
+    original = random_drafter("k26-mini", dtype=torch.float32, seed=3)
+    for m in twin.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.copy_(dequantize_int8(*quantize_int8(m.weight), torch.float32))
+    twin.lm_head = dequantize_int8(*quantize_int8(twin.lm_head), torch.float32)
+    quantize_drafter(model)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 1 + 7 * model.cfg.num_hidden_layers + 1 and model.lm_head in linears
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    B, Bk, L = 2, model.cfg.block_size, 6
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(model.vocab_size, (B, Bk), generator=g)
+    block_pos = torch.arange(L, L + Bk).expand(B, Bk)
+    ctx_pos, ctx_valid = torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool)
+    feats = torch.randn(B * L, model.cfg.feature_width, generator=g)
+
+    def logits(m):
+        k, v = m.context_kv(feats, ctx_pos.reshape(-1))  # [layers, B·L, nkv, hd]
+        k, v = k.unflatten(1, (B, L)), v.unflatten(1, (B, L))
+        return m.logits(m.forward_block(ids, block_pos, ctx_pos, ctx_valid, lambda i: (k[i], v[i])))
+
+    got, want, orig = logits(model), logits(twin), logits(original)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-3 * float(want.abs().max()))
+    assert not torch.equal(got, orig)  # the rounding is real
+    assert (got.argmax(-1) == orig.argmax(-1)).float().mean() >= 0.9
+
+
+def test_drafter_service_loads_int8_weights():
+    """`ddtree drafter --quantization int8` (here a synthetic k26-mini on CPU) serves Proposes from Int8Linear
+    projections; an unknown storage is refused naming the field."""
+    from drafter_service.config import DrafterConfig
+    from drafter_service.engine import Proposal, ProposeItem
+    from drafter_service.server import load_engine
+
+    with pytest.raises(ValueError, match="quantization"):
+        DrafterConfig(synthetic="k26-mini", quantization="fp4")
+    engine = load_engine(DrafterConfig(synthetic="k26-mini", quantization="int8", cache_mb=16))
+    assert isinstance(engine.model.lm_head, Int8Linear) and isinstance(engine.model.fc, Int8Linear)
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(6, engine.cfg.feature_width, generator=g)
+    (result,) = engine.propose([ProposeItem("s", 0, feats, root_token=7, tree_budget=8)])
+    assert isinstance(result, Proposal) and len(result.tree.tokens) == 8
