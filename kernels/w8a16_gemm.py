@@ -1,6 +1,6 @@
 """y = x · (q · scale)ᵀ (+ add) for few rows over int8 weights (weight-only, one scale per output row), one launch.
 
-    w8a16_gemm(x, qweight, scale, add=None, out_dtype=torch.bfloat16) -> y   (into `add` when given)
+    w8a16_gemm(x, qweight, scale, add=None) -> y   (into `add` when given)
     quantize_int8(w) -> (qweight, scale)                                     the storage this kernel reads
 
 x        [M, K] bf16, rows 16-byte aligned (any such row stride), K % 16 == 0. Any M: up to MAX_ROWS (32 in the
@@ -8,7 +8,7 @@ x        [M, K] bf16, rows 16-byte aligned (any such row stride), K % 16 == 0. A
 qweight  [N, K] int8 contiguous, 16-byte aligned: q[n, k] in [-127, 127]
 scale    [N] fp32: W[n, k] = q[n, k] · scale[n]
 add      [M, N] bf16 contiguous or None: y = bf16(x Wᵀ + add), one rounding
-y        [M, N] bf16, or fp32 (out_dtype=torch.float32, no add)
+y        [M, N] bf16
 
 Why: the DFlash drafter's Propose is a weight stream (reference/perf.md §3.4: 9.4 GB of bf16 weights and target
 lm_head for Kimi's drafter, ~2.2 ms at copy bandwidth, on every decode step's critical path). Stored in int8 the
@@ -28,12 +28,11 @@ from kernels._compile import cuda_source, device_limits, get_kernels, launch
 CODE = ("skinny_gemm.cu", "w8a16_gemm.cu")
 MAX_NT = 8  # token tiles of 8 per weight pass (the K-split form: 4)
 MAX_ROWS = 8 * MAX_NT
-_OUT = {torch.bfloat16: "u16", torch.float32: "float"}
 # The compiled variants, (form, token tiles NT, weight tiles per warp MT, ring stages ST): "" is the K-split form
 # (warps split K; skinny_gemm's tiling), "_rs" the row-split one (warps split rows, token rows staged once a block).
 VARIANTS = (*(("", nt, 1, 4) for nt in range(1, 5)), *(("_rs", nt, 4, 3) for nt in range(1, 5)),
             *(("_rs", nt, 2, 3) for nt in range(2, 9)), *(("_rs", nt, 1, 4) for nt in range(5, 9)))
-NAMES = tuple(f"w8a16_gemm{f}<{nt}, {mt}, {st}, {t}>" for t in _OUT.values() for f, nt, mt, st in VARIANTS)
+NAMES = tuple(f"w8a16_gemm{f}<{nt}, {mt}, {st}, u16>" for f, nt, mt, st in VARIANTS)
 CHUNK = 128  # inputs per chunk: must match the .cu (W8_CHUNK)
 RS_WARPS = 4  # warps of a row-split block (each 16·MT weight rows)
 FORCE: tuple[str, int, int] | None = None  # force (form, MT, ST) of VARIANTS (tests, benches); None: `choose`
@@ -94,21 +93,21 @@ def fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> bool:
             and scale.dtype == torch.float32 and scale.shape == qweight.shape[:1] and scale.is_contiguous())
 
 
-def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, add: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               add: torch.Tensor | None = None) -> torch.Tensor:
     assert fits(x, qweight, scale), (tuple(x.shape), x.stride(), x.dtype, tuple(qweight.shape), qweight.dtype)
     (M, K), N = x.shape, qweight.shape[0]
     if add is not None:
-        assert add.dtype == out_dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), add.shape
+        assert add.dtype == torch.bfloat16 and add.shape == (M, N) and add.is_contiguous(), add.shape
         out = add
     else:
-        out = x.new_empty((M, N), dtype=out_dtype)
+        out = x.new_empty((M, N))
     lim = device_limits(x.device.index)
     nt = min(-(-M // 8), MAX_NT)
     form, mt, st = FORCE or choose(N, K, nt, lim.sms)
     if form == "":
         nt = min(nt, 4)
-    kernel = get_kernels(cuda_source(CODE), NAMES)[f"w8a16_gemm{form}<{nt}, {mt}, {st}, {_OUT[out_dtype]}>"]
+    kernel = get_kernels(cuda_source(CODE), NAMES)[f"w8a16_gemm{form}<{nt}, {mt}, {st}, u16>"]
     grid_y = -(-M // (8 * nt))  # blocks of 8·nt token rows, each streaming the weights again
     if form == "_rs":
         cs = RS_CS or rs_cluster(N, K, mt, lim.sms)
@@ -121,16 +120,16 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, add:
     return out
 
 
-def w8a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, add: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp64 product with the dequantized weight (+ add), rounded once to out_dtype: the kernel differs only by its
-    fp32 sums (and the scale applied to partial sums)."""
+def w8a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 product with the dequantized weight (+ add), rounded once to bf16: the kernel differs only by its fp32
+    sums (and the scale applied to partial sums)."""
     w = qweight.double() * scale.double()[:, None]
     y = x.double() @ w.T
     if add is not None:
         y += add.double()
-        return add.copy_(y.to(out_dtype))
-    return y.to(out_dtype)
+        return add.copy_(y.to(torch.bfloat16))
+    return y.to(torch.bfloat16)
 
 
 def quantize_int8(w: torch.Tensor, rows_per_pass: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
