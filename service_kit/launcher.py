@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter-device", default=None,
                    help="the drafter's device, e.g. cuda:7 beside a 7-GPU verifier (default: --device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--drafter-quantization", default="none", choices=("none", "int8"),
+                   help="the drafter's weight storage (its --quantization)")
     p.add_argument("--host", default="127.0.0.1", help="address the services bind")
     p.add_argument("--gateway-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP port (0 = off)")
@@ -76,7 +78,7 @@ def commands(args) -> list[tuple[str, list[str]]]:
         procs.insert(0, ("drafter", [*base, "drafter", "--port", str(args.drafter_port),
                                      "--model", str(drafter_model), "--target-model", str(model),
                                      "--device", args.drafter_device or args.device, "--dtype", args.dtype,
-                                     *common, *metrics(2)]))
+                                     "--quantization", args.drafter_quantization, *common, *metrics(2)]))
     return procs
 
 

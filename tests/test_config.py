@@ -128,3 +128,22 @@ def test_serve_puts_the_drafter_on_its_own_device():
     assert device(cmds["drafter"]) == "cuda:7" and device(cmds["verifier"]) == "cuda"
     same = dict(launcher.commands(parser.parse_args(["serve", "--model", "models/kimi-tiny", "--device", "cuda"])))
     assert device(same["drafter"]) == "cuda"
+
+
+def test_serve_passes_the_drafter_quantization():
+    """`ddtree serve --drafter-quantization int8` reaches the drafter's command line, and the drafter's parser
+    takes it (none by default)."""
+    from drafter_service.config import DrafterConfig
+    from service_kit import launcher
+    from service_kit.config import add_arguments, from_namespace
+
+    parser = argparse.ArgumentParser()
+    launcher.add_parser(parser.add_subparsers())
+    for flag, want in ((["--drafter-quantization", "int8"], "int8"), ([], "none")):
+        cmds = dict(launcher.commands(parser.parse_args(["serve", "--model", "models/kimi-tiny", *flag])))
+        drafter = cmds["drafter"]
+        assert drafter[drafter.index("--quantization") + 1] == want
+        dparser = argparse.ArgumentParser()
+        add_arguments(dparser, DrafterConfig, "DDTREE_DRAFTER")
+        args = drafter[drafter.index("drafter") + 1:]
+        assert from_namespace(DrafterConfig, dparser.parse_args(args)).quantization == want
