@@ -110,16 +110,16 @@ def main(args) -> int:
     floor_ms = 1e3 * drafter_bytes(cfg, vocab, attended * args.sessions, engine.model.dtype.itemsize,
                                    1 if args.quantization == "int8" else None) / bw
     print(f"# {args.preset} drafter ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
-          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}, weights {args.quantization}; {args.sessions} session(s) of {args.context} "
-          f"context rows ({attended} attended), {args.new_rows} new rows each per Propose; copy {bw / 1e9:.0f} GB/s")
+          f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}, weights {args.quantization}; "
+          f"{args.sessions} session(s) of {args.context} context rows ({attended} attended), {args.new_rows} new rows each per Propose; copy {bw / 1e9:.0f} GB/s")
     print(f"{'budget':>7} {'median ms':>10} {'p90 ms':>8} {'floor ms':>9} {'median/floor':>13}")
     position, out = args.context, []
     for budget in args.budgets.split(","):
         seconds, position = _timed_proposes(engine, args, budget.strip(), position, gen)
         median, p90 = statistics.median(seconds) * 1e3, sorted(seconds)[int(0.9 * (len(seconds) - 1))] * 1e3
         out.append(dict(budget=budget.strip(), median_ms=median, p90_ms=p90, floor_ms=floor_ms, preset=args.preset,
-                        device=_device_name(args.device), dtype=args.dtype, quantization=args.quantization, context=args.context,
-                        sessions=args.sessions, new_rows=args.new_rows))
+                        device=_device_name(args.device), dtype=args.dtype, quantization=args.quantization,
+                        context=args.context, sessions=args.sessions, new_rows=args.new_rows))
         print(f"{budget.strip():>7} {median:>10.3f} {p90:>8.3f} {floor_ms:>9.3f} {median / floor_ms:>13.2f}")
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,5 @@
 // out[M, N] = x[M, K] · (q[N, K] · scale[N])ᵀ (+ add[M, N]) for few rows: int8 weights with one fp32 scale per
-// output row (weight-only quantization), bf16 activations, fp32 accumulation, bf16 or fp32 out. Compiled after
+// output row (weight-only quantization), bf16 activations, fp32 accumulation, bf16 out (OutT). Compiled after
 // skinny_gemm.cu (kernels/w8a16_gemm.py), whose tiling, cluster split of K, ring loads (issue_rows) and epilogue
 // (finish_tile) it shares: a weight stream of half skinny_gemm's bytes per parameter.
 //
@@ -46,8 +46,8 @@ __device__ __forceinline__ void w8_issue(u32 stage, const u16* wt, int nrows, in
 }
 
 // acc[m][n] += the MMAs of one staged chunk: the warp's 16·MT weight rows at `st` (128 B a row) and the token
-// rows at `xst` (two halves of 8·NT rows of 128 B, inputs 0-63 then 64-127). Each token fragment is loaded once for the MT
-// weight tiles (shared-memory reads, not the MMAs, bound this loop as the token tiles grow).
+// rows at `xst` (two halves of 8·NT rows of 128 B, inputs 0-63 then 64-127). Each token fragment is loaded once
+// for the MT weight tiles (shared-memory reads, not the MMAs, bound this loop as the token tiles grow).
 // ldmatrix.x4 (A): lanes 8j..8j+7 address weight rows (l & 7) + 8(j & 1) of piece s + (j >> 1): r = {row g,
 // row g + 8} x {k-step s, s + 1}. B: token row g, 8 bytes at (k-step s & 3)·32 + 8t of the s < 4 or s >= 4 half.
 template <int NT, int MT>
@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(256) w8a16_gemm_rs(const u16* __restrict__ x, 
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
-      sums[((warp * MT + m) * NT + n) * 32 + lane] = make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+      sums[((warp * MT + m) * NT + n) * 32 + lane] =
+          make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
   cluster_sync();
   const int row_b = (blockIdx.x / CS) * NW * 16 * MT;  // the block's first weight row
   for (int e = rank * NW * 32 + warp * 32 + lane; e < NW * MT * NT * 32; e += CS * NW * 32) {
