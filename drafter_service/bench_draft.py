@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from drafter_service.config import QUANTIZATIONS
+
 PRESETS = ("k26", "k26-mini")
 CHAIN = "chain"
 
@@ -39,7 +41,7 @@ def add_parser(bsub) -> None:
     p.add_argument("--preset", default="k26", choices=PRESETS)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--quantization", default="none", choices=("none", "int8"),
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="drafter weight storage, as the drafter's --quantization (drafter_service/int8.py)")
     p.add_argument("--sessions", type=int, default=1, help="sessions drafted together in each Propose")
     p.add_argument("--context", type=int, default=4096, help="rows in each session's drafter cache before timing")
@@ -111,7 +113,8 @@ def main(args) -> int:
                                    1 if args.quantization == "int8" else None) / bw
     print(f"# {args.preset} drafter ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"vocab {vocab}) on {_device_name(args.device)}, {args.dtype}, weights {args.quantization}; "
-          f"{args.sessions} session(s) of {args.context} context rows ({attended} attended), {args.new_rows} new rows each per Propose; copy {bw / 1e9:.0f} GB/s")
+          f"{args.sessions} session(s) of {args.context} context rows ({attended} attended), {args.new_rows} new rows "
+          f"each per Propose; copy {bw / 1e9:.0f} GB/s")
     print(f"{'budget':>7} {'median ms':>10} {'p90 ms':>8} {'floor ms':>9} {'median/floor':>13}")
     position, out = args.context, []
     for budget in args.budgets.split(","):

@@ -9,6 +9,7 @@ from service_kit.config import ServerConfig, option
 
 
 SYNTHETIC_PRESETS = ("k26", "k26-mini")  # drafter_service/synthetic.py PRESETS (not imported: no torch here)
+QUANTIZATIONS = ("none", "int8")  # --quantization: weight storage of the projections (drafter_service/int8.py)
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class DrafterConfig(ServerConfig):
     dtype: str = option("float32", "compute dtype", choices=("float32", "bfloat16"))
     quantization: str = option("none", "weight storage of the drafter's projections and its lm_head copy: none "
                                "(dtype), or int8 (one fp32 scale per output row; half the bytes a Propose reads in "
-                               "bfloat16; changes acceptance, never the served tokens)", choices=("none", "int8"))
+                               "bfloat16; changes acceptance, never the served tokens)", choices=QUANTIZATIONS)
     torch_threads: int = option(0, "torch CPU threads (0: 1 on a GPU, where the OpenMP pools of services on one "
                                 "host spin against each other; torch's default on CPU)")
     max_tree_budget: int = option(256, "largest tree_budget accepted")
@@ -51,8 +52,8 @@ class DrafterConfig(ServerConfig):
             raise ValueError(f"synthetic: {self.synthetic!r} is not one of {', '.join(SYNTHETIC_PRESETS)}")
         if self.synthetic_layers < 0:
             raise ValueError("synthetic_layers: must be >= 0")
-        if self.quantization not in ("none", "int8"):  # a DDTREE_DRAFTER_QUANTIZATION value skips argparse's choices
-            raise ValueError(f"quantization: {self.quantization!r} is not one of none, int8")
+        if self.quantization not in QUANTIZATIONS:  # a DDTREE_DRAFTER_QUANTIZATION value skips argparse's choices
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.max_tree_budget < 1:
             raise ValueError("max_tree_budget: must be >= 1")
         if self.window < 0:

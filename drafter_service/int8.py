@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.w8a16_gemm import MAX_ROWS, dequantize_int8, fits, quantize_int8
+from kernels import w8a16_gemm as w8
 
 # Up to this many rows the kernel streams the int8 weight once per MAX_ROWS rows (1 B a parameter each pass, each
 # pass bound by its MMAs from ~32 rows); the dequantized path reads 1, writes 2 and reads 2 B a parameter.
-KERNEL_MAX_ROWS = 2 * MAX_ROWS
+KERNEL_MAX_ROWS = 2 * w8.MAX_ROWS
 
 
 class Int8Linear(nn.Module):
@@ -38,16 +38,14 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        return cls(*quantize_int8(weight.detach()), None if bias is None else bias.detach())
+        return cls(*w8.quantize_int8(weight.detach()), None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= KERNEL_MAX_ROWS and fits(flat, self.qweight, self.scale):
-            from kernels.w8a16_gemm import w8a16_gemm
-
-            y = w8a16_gemm(flat, self.qweight, self.scale)
+        if flat.shape[0] <= KERNEL_MAX_ROWS and w8.fits(flat, self.qweight, self.scale):
+            y = w8.w8a16_gemm(flat, self.qweight, self.scale)
         else:
-            y = F.linear(flat, dequantize_int8(self.qweight, self.scale, x.dtype))
+            y = F.linear(flat, w8.dequantize_int8(self.qweight, self.scale, x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], -1)

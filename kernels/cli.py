@@ -58,7 +58,8 @@ def add_bench_parser(bsub) -> None:
     bk = bsub.add_parser("kernels", help="time every kernel against its torch reference on the GPU")
     bk.add_argument("--preset", default="k26", choices=["k26"])
     bk.add_argument("--out", help="also write the table as JSON lines here")
-    bk.add_argument("--only", help="bench only the group whose name contains this: moe, mla, small, linear, int8, ddtree, "
+    bk.add_argument("--only", help="bench only the group whose name contains this: moe, mla, small, linear, int8, "
+                                   "ddtree, "
                                    "dflash")
     bk.set_defaults(func=_bench_cmd)
 

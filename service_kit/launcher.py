@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from drafter_service.config import QUANTIZATIONS  # torch-free, like the rest of `ddtree serve`
+
 DEFAULT_MODEL_DIRS = ("models/kimi-tiny",)
 TINY_CACHE = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree")) / "tiny"
 
@@ -27,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter-device", default=None,
                    help="the drafter's device, e.g. cuda:7 beside a 7-GPU verifier (default: --device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--drafter-quantization", default="none", choices=("none", "int8"),
+    p.add_argument("--drafter-quantization", default="none", choices=QUANTIZATIONS,
                    help="the drafter's weight storage (its --quantization)")
     p.add_argument("--host", default="127.0.0.1", help="address the services bind")
     p.add_argument("--gateway-port", type=int, default=50051)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from drafter_service.config import QUANTIZATIONS
 from tools.spec_e2e import run_e2e
 from tools.spec_inprocess import InProcessPair, run_in_process
 from tools.spec_plot import plot
@@ -130,7 +131,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter-dtype", default=None, choices=("float32", "bfloat16"),
                    help="default: bfloat16 on cuda, float32 on cpu. The draft never changes the output (the target "
                         "verifies every token), so an fp32 target for exact AR comparison can keep a bf16 drafter")
-    p.add_argument("--drafter-quantization", default="none", choices=("none", "int8"),
+    p.add_argument("--drafter-quantization", default="none", choices=QUANTIZATIONS,
                    help="the drafter's weight storage, as its --quantization (in-process harness only)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
