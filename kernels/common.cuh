@@ -3,6 +3,7 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float bf2f(u16 v) { return __uint_as_float((u32)v << 16); }
@@ -61,6 +62,10 @@ __device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+// ldmatrix.x2: the same for 2 matrices, whose row addresses lanes 0..15 supply.
+__device__ __forceinline__ void ldsm2(u32 (&r)[2], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) { ldsm4(r, smem_addr(p)); }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -74,3 +79,35 @@ __device__ __forceinline__ void quad_max2(float& a, float& b) {
     b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, d));
   }
 }
+
+// Generic-proxy writes to shared memory (st.shared, cp.async) -> ordered with the async proxy (wgmma, TMA).
+__device__ __forceinline__ void fence_async_smem() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// Hopper warpgroup MMA (sm_90a): descriptors, ordering and completion.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major: rows 128 B apart, 8-row groups SBO = 1024
+// apart (LBO unused). MN-major: 64-element blocks of the MN dimension LBO apart, 8-row K groups SBO apart.
+__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Until at most N of this warpgroup's committed wgmma groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// Pins accumulator registers in program order around the asynchronous MMAs (as CUTLASS's
+// warpgroup_fence_operand): no read or write of them moves across a wgmma fence/wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+// The asm operands of a wgmma accumulator fragment d[j][0..3], read and written.
+#define WG_F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

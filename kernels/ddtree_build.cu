@@ -7,7 +7,6 @@
 // descending, then token id ascending" (torch's stable sort) and every key is distinct; 0 = none.
 // Limits (asserted by the launcher): K <= 64, L <= 16, the fused tree <= TREE_WARP_MAX nodes.
 
-typedef unsigned long long u64;
 #define NT 256           // threads of a top-K block (8 warps); the selection code assumes it
 #define KMAX 64
 #define CAP 2048         // candidate keys in shared memory, >= KMAX x elements per thread (32)

@@ -23,7 +23,6 @@
 #define ROWB 1152 // bytes per Q row in smem (72 chunks of 16 B), and per key of a K tile (9 slabs x 128 B)
 #define PB 128    // bytes per P row in smem (KT bf16)
 #define SLAB 8192 // bytes per K slab in smem (64 keys x 64 dims)
-typedef unsigned long long u64;
 
 template <int MT, int NSTAGE>
 struct Smem {
@@ -328,12 +327,6 @@ __device__ __forceinline__ void fetch_refs(int (&ref)[NR], const Seq& sq, int kb
 // as 9 boxes of 64 dims x 64 keys by one thread; the tensor map's 128-byte swizzle writes the slab layout
 // (copy_row_slabs). The stage's mbarrier completes on one arrival plus the tile's 73,728 bytes. 9 instructions
 // instead of 4,608 16-byte cp.async (H200, mla_attn_wgmma, 10 heads x 64 rows x 32K keys: 120.7 -> 107.4 us).
-// Generic-proxy writes to shared memory (st.shared, cp.async) -> ordered with the async proxy (wgmma, TMA).
-__device__ __forceinline__ void fence_async_smem() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
 __device__ __forceinline__ void mbar_init(u64* bar) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");

@@ -33,28 +33,9 @@ struct SmemWG {  // 1024-byte aligned (the swizzle atom)
   int qrange[4];
 };
 
-// Shared-memory matrix descriptor, 128-byte swizzle. K-major: rows 128 B apart, 8-row groups SBO = 1024
-// apart (LBO unused). MN-major: 64-element blocks of the MN dimension LBO apart, 8-row K groups SBO apart.
-__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
-}
 #define V_LBO SLAB  // V: next 64 dims (MN) = next slab
 #define V_SBO 1024  // V: next 8 keys (K) = next 1024-byte atom
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// Pins accumulator registers in program order around the asynchronous MMAs (as CUTLASS's
-// warpgroup_fence_operand): no read or write of them moves across a wgmma fence/wait.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
-}
-
-#define WG_F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 // d (+)= A[64 x 16] B[16 x 64]; A, B K-major in shared memory. acc = 0: d = A B.
 __device__ __forceinline__ void wgmma_m64n64(float (&d)[8][4], u64 da, u64 db, int acc) {
   asm volatile(
@@ -82,7 +63,6 @@ __device__ __forceinline__ void wgmma_m64n256_bt(float (&d)[32][4], u64 da, u64 
         WG_F4(28), WG_F4(29), WG_F4(30), WG_F4(31)
       : "l"(da), "l"(db));
 }
-#undef WG_F4
 
 // S = Q Kᵀ for the 64 keys of one tile: 36 k-steps of 16 dims; k-step kk is 32·(kk % 4) bytes into slab kk / 4.
 // Issues the wgmmas; qk_wait completes them.
@@ -99,7 +79,7 @@ __device__ __forceinline__ void qk_issue(float (&s)[8][4], u32 q_addr, u32 k_add
 }
 
 __device__ __forceinline__ void qk_wait(float (&s)[8][4]) {
-  wgmma_wait0();
+  wgmma_wait<0>();
   fence_regs<8>(s);
 }
 
@@ -111,7 +91,7 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[32][4], u32 p_addr, u32 v_ad
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_m64n256_bt(o, pd + (u64)(32 * kk >> 4), vd + (u64)(2048 * kk >> 4));
   wgmma_commit();
-  wgmma_wait0();
+  wgmma_wait<0>();
   fence_regs<32>(o);
 }
 

@@ -9,16 +9,18 @@
 // inputs 64-127]. MT > 1 reuses each token fragment for MT weight tiles: with 16-32 token rows the loop is bound by
 // shared-memory reads of the token fragments, not by the MMAs or the weight stream.
 //
-// The MMA's k order is permuted so that each lane's A fragment is one 32-bit word of int8 per row: in k-step s
-// (16 inputs, 16 B of a weight row = piece s), lane 4g + t holds word t = inputs 16s + 4t .. 16s + 4t + 3 of
-// rows g and g + 8 (ldmatrix), and MMA slots {2t, 2t + 1, 2t + 8, 2t + 9} stand for inputs 16s + 4t + {0, 1, 2,
-// 3}. The B fragment follows: token g's inputs 16s + 4t .. + 3, 8 contiguous bytes of its staged row. Products
-// are exact (|q| <= 127 times a bf16); the scale multiplies each lane's fp32 sums before the warps are summed.
+// Storage (kernels/w8a16_gemm.py `quantize_int8`): within each group of 16 inputs the int8 columns are interleaved so
+// that in k-step s (16 inputs, 16 B of a weight row = piece s) the word t that ldmatrix hands lane 4g + t from rows g
+// and g + 8 is that lane's whole m16n8k16 A fragment: bytes 0 and 1 hold MMA slots 2t and 2t + 1, bytes 2 and 3
+// slots 2t + 8 and 2t + 9 (stored byte 4t + j = input 2t + (j & 1) + 8·(j >> 1)). The token rows (B, or wgmma's
+// shared-memory B) stay in their natural order. Products are exact (|q| <= 127 times a bf16); the scale multiplies
+// each lane's fp32 sums before the warps are summed.
 
 #define W8_CHUNK 128  // inputs per chunk
 
-// Four int8 (one word, inputs 4j .. 4j + 3) -> bf16x2 {in 0, in 1}, {in 2, in 3}, exactly: the fp32 bit pattern
-// 0x4B000000 | (q + 128) is 2^23 + q + 128.
+// Four int8 (one stored word) -> bf16x2 {byte 0, byte 1}, {byte 2, byte 3}, exactly: the fp32 bit pattern
+// 0x4B000000 | (q + 128) is 2^23 + q + 128. (A bf16x2 form, 0x4300 | (q & 127) plus 0xC300 ^ (q & 128) by
+// add.bf16x2, takes 7 instructions a word instead of 11 but ran 3-10 % slower on an H200.)
 __device__ __forceinline__ void i8x4_to_bf16(u32 w, u32& lo, u32& hi) {
   const u32 u = w ^ 0x80808080u;  // q + 128 in each byte
   const float bias = 8388736.f;  // 2^23 + 128
@@ -28,10 +30,6 @@ __device__ __forceinline__ void i8x4_to_bf16(u32 w, u32& lo, u32& hi) {
   const float f3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - bias;
   lo = pack_bf16x2(f0, f1);
   hi = pack_bf16x2(f2, f3);
-}
-
-__device__ __forceinline__ void lds64(u32& a, u32& b, u32 addr) {
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
 }
 
 // One chunk's weights (16·MT rows, int8 viewed as 64 u16 a row) and both halves of its token rows into a stage.
@@ -49,11 +47,11 @@ __device__ __forceinline__ void w8_issue(u32 stage, const u16* wt, int nrows, in
 // rows at `xst` (two halves of 8·NT rows of 128 B, inputs 0-63 then 64-127). Each token fragment is loaded once
 // for the MT weight tiles (shared-memory reads, not the MMAs, bound this loop as the token tiles grow).
 // ldmatrix.x4 (A): lanes 8j..8j+7 address weight rows (l & 7) + 8(j & 1) of piece s + (j >> 1): r = {row g,
-// row g + 8} x {k-step s, s + 1}. B: token row g, 8 bytes at (k-step s & 3)·32 + 8t of the s < 4 or s >= 4 half.
+// row g + 8} x {k-step s, s + 1}. ldmatrix.x2 (B, per k-step ks): token rows l & 7 of pieces 2(ks & 3) + j of the
+// ks < 4 or ks >= 4 half = inputs 0-7 and 8-15 (x4 over two k-steps would hold twice the B registers).
 template <int NT, int MT>
 __device__ __forceinline__ void w8_chunk_mma(float (&acc)[MT][NT][4], u32 st, u32 xst) {
-  const int lane = threadIdx.x, lr = (lane & 7) + 8 * ((lane >> 3) & 1), lp = lane >> 4, sw = lane & 7;
-  const int g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x, lj = (lane >> 3) & 1, lr = (lane & 7) + 8 * lj, lp = lane >> 4, sw = lane & 7;
 #pragma unroll
   for (int s = 0; s < 8; s += 2) {
     u32 r[MT][4];
@@ -61,11 +59,11 @@ __device__ __forceinline__ void w8_chunk_mma(float (&acc)[MT][NT][4], u32 st, u3
     for (int m = 0; m < MT; ++m) ldsm4(r[m], st + (16 * m + lr) * 128 + (((s + lp) ^ sw) << 4));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int ks = s + h, piece = 2 * (ks & 3) + (t >> 1);
+      const int ks = s + h;
       const u32 half = xst + (ks >> 2) * 8 * NT * 128;
       u32 b[NT][2];
 #pragma unroll
-      for (int n = 0; n < NT; ++n) lds64(b[n][0], b[n][1], half + (8 * n + g) * 128 + ((piece ^ g) << 4) + 8 * (t & 1));
+      for (int n = 0; n < NT; ++n) ldsm2(b[n], half + (8 * n + sw) * 128 + (((2 * (ks & 3) + lj) ^ sw) << 4));
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         u32 a0, a1, a2, a3;
@@ -139,18 +137,71 @@ __global__ void __launch_bounds__(256) w8a16_gemm(const u16* __restrict__ x, int
   }
 }
 
-// Chunk c's token rows (both halves, 8·NT rows of 128 B each) into `xs`, by all the block's threads: piece p of
-// half h's row r at (h·8·NT + r)·128 + (p ^ (r & 7))·16, as issue_rows places them; rows >= M, inputs >= K zero.
-template <int NT>
+// Chunk c's token rows (both halves, 8·NT rows of 128 B each) into `xs`, by the block's NTH threads (a multiple of
+// 128): piece p of half h's row r at (h·8·NT + r)·128 + (p ^ (r & 7))·16, as issue_rows places them; rows >= M and
+// inputs >= K zero. Thread t copies piece t & 7 of half (t >> 3) & 1 of rows t / 16 + i·NTH / 16: its swizzle
+// (r & 7) and its offsets stay the same for every chunk, only the rows step.
+template <int NT, int NTH>
 __device__ __forceinline__ void w8_issue_x(u32 xs, const u16* x, int ldx, int M, int K, int c) {
-  const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = blockDim.y * 32;
-  for (int e = tid; e < 2 * 8 * NT * 8; e += nthreads) {
-    const int h = e / (8 * NT * 8), r = (e >> 3) % (8 * NT), p = e & 7, k = (2 * c + h) * 64 + p * 8;
+  constexpr int STEP = NTH / 16;  // rows apart, a multiple of 8
+  const int t = threadIdx.y * 32 + threadIdx.x, p = t & 7, h = (t >> 3) & 1, r0 = t >> 4;
+  const int k = (2 * c + h) * 64 + p * 8;
+  const u32 dst = xs + (h * 8 * NT + r0) * 128 + ((p ^ (r0 & 7)) << 4);
+#pragma unroll
+  for (int i = 0; i < (8 * NT + STEP - 1) / STEP; ++i) {
+    const int r = r0 + i * STEP;
+    if (8 * NT % STEP != 0 && r >= 8 * NT) break;
     const bool ok = r < M && k < K;
-    const u32 dst = xs + (h * 8 * NT + r) * 128 + ((p ^ (r & 7)) << 4), bytes = ok ? 16 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(ok ? x + (i64)r * ldx + k : x),
-                 "r"(bytes));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst + i * STEP * 128),
+                 "l"(ok ? x + (i64)r * ldx + k : x), "r"(ok ? 16 : 0));
   }
+}
+
+// The outputs of a block whose NW warps each hold MT 16-row tiles: warp w's tile m is rows row_b + tile_row(w, m),
+// tile_row = 64(MT·(w / 4) + m) + 16(w % 4) (WG: warpgroup w / 4's m64 tiles) or 16(w·MT + m) (the row-split
+// form). Each lane's sums are scaled by their rows' scales (in every block of the cluster: the sums stay linear),
+// parked in shared memory [NW][MT][NT][32 lanes], summed over the cluster's blocks in rank order (distributed
+// shared memory), + add, rounded once and stored where token < M and row < N. `smem` must be free (the ring is
+// done).
+template <int NT, int MT, bool WG, typename OutT>
+__device__ __forceinline__ void w8_finish_rows(float (&acc)[MT][NT][4], unsigned char* smem, int rank, int CS,
+                                               int row_b, const float* scale, const u16* add, OutT* out, int M, int N,
+                                               int ldo) {
+  const int NW = blockDim.y, warp = threadIdx.y, lane = threadIdx.x, g = lane >> 2;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const int r = row_b + (WG ? 64 * (MT * (warp >> 2) + m) + 16 * (warp & 3) : 16 * (warp * MT + m)) + g;
+    const float s0 = r < N ? scale[r] : 0.f, s1 = r + 8 < N ? scale[r + 8] : 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[m][n][0] *= s0, acc[m][n][1] *= s0, acc[m][n][2] *= s1, acc[m][n][3] *= s1;
+  }
+  float4* sums = reinterpret_cast<float4*>(smem);
+  __syncthreads();  // every warp is done with the ring
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      sums[((warp * MT + m) * NT + n) * 32 + lane] =
+          make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+  cluster_sync();
+  for (int e = rank * NW * 32 + warp * 32 + lane; e < NW * MT * NT * 32; e += CS * NW * 32) {
+    float4 v = ld_cluster_f4(smem_addr(sums + e), 0);
+    for (int p = 1; p < CS; ++p) {
+      const float4 r = ld_cluster_f4(smem_addr(sums + e), p);
+      v.x += r.x, v.y += r.y, v.z += r.z, v.w += r.w;
+    }
+    const int wm = e / (NT * 32), n = (e / 32) % NT, gg = (e & 31) >> 2, tt = e & 3;
+    const int w = wm / MT, tile = WG ? 64 * (MT * (w >> 2) + wm % MT) + 16 * (w & 3) : 16 * wm;
+    const float val[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int mm = 8 * n + 2 * tt + (j & 1), row = row_b + tile + gg + 8 * (j >> 1);
+      if (mm >= M || row >= N) continue;
+      const i64 o = (i64)mm * ldo + row;
+      store_out(out + o, add ? val[j] + bf2f(add[o]) : val[j]);
+    }
+  }
+  cluster_sync();  // no block leaves while another still reads its sums
 }
 
 // The row-split form, for 9+ token rows over weights of many tiles: warp w of a block owns rows 16·MT·w .. of the
@@ -159,15 +210,16 @@ __device__ __forceinline__ void w8_issue_x(u32 xs, const u16* x, int ldx, int M,
 // few to hide the loop's latencies). The CS blocks of a cluster split K (block `rank` takes chunks rank, rank + CS,
 // ...) and sum through distributed shared memory in rank order. Ring of ST stages of [NW·MT weight tiles of
 // 2048 B][token rows 2·8·NT·128 B]; one __syncthreads a chunk frees the stage the next issue overwrites.
-// Grid (ceil(N / 16·MT·NW)·CS, ceil(M / 8·NT)) in clusters of CS; block (32, NW); dynamic smem
+// Grid (ceil(N / 16·MT·NW)·CS, ceil(M / 8·NT)) in clusters of CS; block (32, NW = 4); dynamic smem
 // ST·(NW·MT·2048 + 2048·NT) B (>= the NW·MT·NT·512 B of sums it is reused for). Requirements as w8a16_gemm.
 template <int NT, int MT, int ST, typename OutT>
-__global__ void __launch_bounds__(256) w8a16_gemm_rs(const u16* __restrict__ x, int ldx,
+__global__ void __launch_bounds__(128) w8a16_gemm_rs(const u16* __restrict__ x, int ldx,
                                                      const signed char* __restrict__ q,
                                                      const float* __restrict__ scale, const u16* add, OutT* out, int M,
                                                      int N, int K, int CS, int ldo) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int NW = blockDim.y, warp = threadIdx.y, lane = threadIdx.x, g = lane >> 2;
+  constexpr int NW = 4;  // RS_WARPS: w8_issue_x<NT, 128> stages the token rows with 128 threads
+  const int warp = threadIdx.y;
   const int rank = (int)cluster_rank(), STAGE = NW * MT * 2048 + 2 * 8 * NT * 128;
   const int row0 = ((blockIdx.x / CS) * NW + warp) * 16 * MT;  // this warp's first weight row
   const i64 m0 = (i64)blockIdx.y * 8 * NT;
@@ -183,7 +235,7 @@ __global__ void __launch_bounds__(256) w8a16_gemm_rs(const u16* __restrict__ x, 
   pdl_wait();
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < nch) w8_issue_x<NT>(ring + s * STAGE + xofs, x, ldx, M, K, rank + s * CS);
+    if (s < nch) w8_issue_x<NT, 128>(ring + s * STAGE + xofs, x, ldx, M, K, rank + s * CS);
     cp_async_commit();
   }
   for (int i = 0; i < nch; ++i) {
@@ -193,7 +245,7 @@ __global__ void __launch_bounds__(256) w8a16_gemm_rs(const u16* __restrict__ x, 
       const u32 next = ring + ((i + ST - 1) % ST) * STAGE;
       const int c = rank + (i + ST - 1) * CS;
       issue_rows<4 * MT, false>(next + wofs, 0, wt, K / 2, nrows, K / 2, c);
-      w8_issue_x<NT>(next + xofs, x, ldx, M, K, c);
+      w8_issue_x<NT, 128>(next + xofs, x, ldx, M, K, c);
     }
     cp_async_commit();
     const u32 st = ring + (i % ST) * STAGE;
@@ -201,38 +253,5 @@ __global__ void __launch_bounds__(256) w8a16_gemm_rs(const u16* __restrict__ x, 
   }
   cp_async_wait<0>();
   pdl_trigger();
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {  // scale this lane's rows first (every block of the cluster: sums stay linear)
-    const int r = row0 + 16 * m + g;
-    const float s0 = r < N ? scale[r] : 0.f, s1 = r + 8 < N ? scale[r + 8] : 0.f;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[m][n][0] *= s0, acc[m][n][1] *= s0, acc[m][n][2] *= s1, acc[m][n][3] *= s1;
-  }
-  float4* sums = reinterpret_cast<float4*>(smem);  // [NW][MT][NT][32 lanes]
-  __syncthreads();  // every warp is done with the ring
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-      sums[((warp * MT + m) * NT + n) * 32 + lane] =
-          make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
-  cluster_sync();
-  const int row_b = (blockIdx.x / CS) * NW * 16 * MT;  // the block's first weight row
-  for (int e = rank * NW * 32 + warp * 32 + lane; e < NW * MT * NT * 32; e += CS * NW * 32) {
-    float4 v = ld_cluster_f4(smem_addr(sums + e), 0);
-    for (int p = 1; p < CS; ++p) {
-      const float4 r = ld_cluster_f4(smem_addr(sums + e), p);
-      v.x += r.x, v.y += r.y, v.z += r.z, v.w += r.w;
-    }
-    const int wm = e / (NT * 32), n = (e / 32) % NT, gg = (e & 31) >> 2, tt = e & 3;
-    const float val[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int mm = 8 * n + 2 * tt + (j & 1), row = row_b + wm * 16 + gg + 8 * (j >> 1);
-      if (mm >= M || row >= N) continue;
-      const i64 o = (i64)mm * ldo + row;
-      store_out(out + o, add ? val[j] + bf2f(add[o]) : val[j]);
-    }
-  }
-  cluster_sync();  // no block leaves while another still reads its sums
+  w8_finish_rows<NT, MT, false>(acc, smem, rank, CS, (blockIdx.x / CS) * NW * 16 * MT, scale, add, out, M, N, ldo);
 }

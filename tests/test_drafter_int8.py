@@ -9,7 +9,7 @@ from torch import nn
 
 from drafter_service.int8 import Int8Linear, quantize_drafter
 from drafter_service.synthetic import random_drafter
-from kernels.w8a16_gemm import dequantize_int8, quantize_int8, w8a16_gemm_ref
+from kernels.w8a16_gemm import dequantize_int8, int8_columns, quantize_int8, w8a16_gemm_ref
 
 
 def test_quantize_int8_rounds_each_row_to_its_nearest_step():
@@ -17,7 +17,8 @@ def test_quantize_int8_rounds_each_row_to_its_nearest_step():
     w = torch.randn(37, 50, generator=g) * torch.rand(37, 1, generator=g) * 3
     w[5] = 0  # an all-zero row keeps scale 1 and q 0
     w[9, 7] = -w[9].abs().max() * 2  # the row's largest magnitude is negative
-    q, scale = quantize_int8(w.bfloat16(), rows_per_pass=8)  # several passes
+    stored, scale = quantize_int8(w.bfloat16(), rows_per_pass=8)  # several passes
+    q = int8_columns(stored)
     w = w.bfloat16().double()
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape and scale.shape == (37,)
     assert int(q.abs().max()) == 127 and scale[5] == 1 and not q[5].any() and q[9, 7] == -127
@@ -29,15 +30,30 @@ def test_quantize_int8_rounds_each_row_to_its_nearest_step():
         assert (err <= float(scale[n]) * (0.5 + 127 * 2**-23)).all()
 
 
+def test_quantize_int8_stores_each_lanes_mma_inputs_together():
+    """The stored order the kernels read: in each whole group of 16 columns, stored bytes 4t .. 4t + 3 hold the inputs
+    of the m16n8k16 A fragment slots 2t, 2t + 1, 2t + 8, 2t + 9; a tail of K % 16 columns stays in place."""
+    w = torch.randn(3, 16 * 3 + 5, generator=torch.Generator().manual_seed(4))
+    stored, _ = quantize_int8(w)
+    q = int8_columns(stored)
+    for c in range(3):
+        for t in range(4):
+            for j in range(4):
+                slot = (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)[j]
+                assert torch.equal(stored[:, 16 * c + 4 * t + j], q[:, 16 * c + slot])
+    assert torch.equal(stored[:, 48:], q[:, 48:])
+
+
 def test_int8_linear_is_the_dequantized_linear():
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(24, 32, generator=g), torch.randn(24, generator=g), torch.randn(2, 3, 32, generator=g)
     lin = Int8Linear.from_weight(w, b)
-    q, scale = quantize_int8(w)
+    stored, scale = quantize_int8(w)
+    q = int8_columns(stored)
     want = x @ (q.float() * scale[:, None]).T + b
     assert torch.allclose(lin(x), want, rtol=1e-6, atol=1e-5) and lin(x).shape == (2, 3, 24)
     # the kernel's torch reference is the same product, in fp64, rounded once
-    ref = w8a16_gemm_ref(x.reshape(6, 32).bfloat16(), q, scale)
+    ref = w8a16_gemm_ref(x.reshape(6, 32).bfloat16(), stored, scale)
     assert torch.allclose(ref.float(), (x.reshape(6, 32).bfloat16().double() @ (q.double() * scale.double()[:, None]).T)
                           .bfloat16().float())
 
