@@ -10,8 +10,8 @@ Int8Linear runs kernels/w8a16_gemm on CUDA for bf16 inputs of up to KERNEL_MAX_R
 new feature rows) and otherwise multiplies by the dequantized weight (CPU, fp32, and a resync's thousands of
 rows, where one bf16 copy of the weight per call costs less than re-streaming it per 64 rows).
 
-It pays while a Propose carries few sessions: on an H200, Kimi's drafter at 1 / 4 / 8 sessions took -23 / -10 /
-+38 % against bf16 (BENCHMARKS.md), as from ~32 rows the kernel is bound by its MMAs, not by the bytes.
+On an H200, Kimi's drafter at 1 / 4 / 8 sessions a Propose took -24 / -20 / +2 % against bf16 (BENCHMARKS.md,
+session 36): from ~48 rows a weight pass is bound by the in-register decode and the MMAs, not by the bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from kernels import w8a16_gemm as w8
 
 # Up to this many rows the kernel streams the int8 weight once per MAX_ROWS rows (1 B a parameter each pass, each
-# pass bound by its MMAs from ~32 rows); the dequantized path reads 1, writes 2 and reads 2 B a parameter.
+# pass bound by its decode and MMAs from ~48 rows); the dequantized path reads 1, writes 2 and reads 2 B a parameter.
 KERNEL_MAX_ROWS = 2 * w8.MAX_ROWS
 
 

@@ -16,7 +16,9 @@ lm_head for Kimi's drafter, ~2.2 ms at copy bandwidth, on every decode step's cr
 same parameters are half the bytes. The drafter's outputs only choose which tokens the verifier checks, so a
 quantized drafter changes acceptance, never the served tokens. The kernel is kernels/skinny_gemm's tiling and
 cluster split of K (compiled in the same unit) over int8 words (kernels/w8a16_gemm.cu): exact int8 -> bf16 in
-registers, bf16 MMA, fp32 sums.
+registers, bf16 MMA, fp32 sums. On Hopper, from WG_FROM_NT token tiles, the same decode feeds warpgroup MMAs
+(kernels/w8a16_gemm_sm90.cu). The interleave makes the word ldmatrix hands a lane its whole MMA A fragment, while x
+stays in natural order for both kinds of MMA.
 """
 
 from __future__ import annotations

@@ -1,23 +1,25 @@
 // w8a16_gemm_wg: w8a16_gemm's row-split form on Hopper's warpgroup MMA (sm_90a only; compiled after skinny_gemm.cu
-// and w8a16_gemm.cu, whose ring loads, int8 decode and output sums it uses), for the 9-64 token rows of several
-// drafter sessions.
+// and w8a16_gemm.cu, whose ring loads, int8 decode, token-row staging and output sums it uses), for the 17-64 token
+// rows of several drafter sessions.
 // Why: from ~24 rows the mma.sync forms are bound by their MMAs and by the token fragments every warp reloads from
 // shared memory (docs/kernel-notes/w8a16_gemm.md). A warpgroup MMA m64nNk16 reads the token rows (B, N = 8·NT) from
 // shared memory once for the warpgroup's 64 weight rows, at twice mma.sync's rate. The weights stay int8 in shared
 // memory and become the register A operand: each warp decodes its 16 rows' fragment as the mma.sync forms do (the
 // storage's interleave makes ldmatrix's word the fragment), CUTLASS's mixed-input design.
 //
-// Block = one warpgroup (4 warps) owning 64·MT weight rows: m64 tile m is rows row_b + 64m .. + 63, warp w holds
-// rows 16w .. 16w + 15 of each (the wgmma A layout). Stage = [warp][m][16 rows x 128 B] of int8 weights, then the
-// chunk's token rows as two halves of 8·NT rows x 128 B (inputs 0-63, 64-127): w8_issue_x's XOR swizzle on
-// 1024-byte atoms is wgmma's canonical K-major 128-byte-swizzle layout. Per k-step (16 inputs) each warp decodes
-// its MT fragments, the warpgroup issues MT wgmmas and commits them as one group, and waits until only that group
-// is pending, so a fragment's registers are rewritten only after the MMAs that read them; at the chunk's end it
-// waits for all, so the stage can be refilled. The cluster splits K and sums as the row-split form does.
+// Block = G warpgroups (G·4 warps) sharing each chunk's token rows; warpgroup u owns 64·MT weight rows: its m64 tile
+// m is rows row_b + 64(MT·u + m) .. + 63, warp w of it holds rows 16w .. 16w + 15 of each (the wgmma A layout).
+// Stage = [warp][m][16 rows x 128 B] of int8 weights, then the chunk's token rows as two halves of 8·NT rows x 128 B
+// (inputs 0-63, 64-127): w8_issue_x's XOR swizzle on 1024-byte atoms is wgmma's canonical K-major 128-byte-swizzle
+// layout. Per two k-steps (32 inputs) each warp decodes its 2·MT fragments, the warpgroup issues 2·MT wgmmas and
+// commits them as one group, then waits until only that group is pending, so a fragment's registers are rewritten
+// only after the MMAs that read them (one k-step a group: within 2 %); at the chunk's
+// end it waits for all, so the stage can be refilled. The cluster splits K and sums as the row-split form does.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d[NT][4] += A[64 x 16] B[16 x 8·NT]: A from registers (the mma.sync A fragment of the warp's 16 rows), B K-major in
-// shared memory (descriptor db). D layout: warp w rows 16w + g, + 8; lane 4g + t columns 8j + 2t, + 1.
+// shared memory (descriptor db). D layout: warp w rows 16w + g, + 8; lane 4g + t columns 8j + 2t, + 1. One
+// specialization per N: the instruction's shape and its 4·NT accumulator operands are literals.
 template <int NT>
 __device__ __forceinline__ void wgmma_ra(float (&d)[NT][4], const u32 (&a)[4], u64 db);
 template <>
@@ -102,7 +104,8 @@ __device__ __forceinline__ void wg_issue_weights(u32 wst, const signed char* q, 
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// acc[m] += the chunk's 8 k-steps: weights of the warp's MT tiles at `wst`, token rows at `xst` (two halves).
+// acc[m] += the chunk's 8 k-steps: weights of the warp's MT tiles at `wst`, token rows at `xst` (two halves), two
+// k-steps a wgmma group.
 // ldmatrix.x4 as w8_chunk_mma: r = {row g, row g + 8} x {k-step s, s + 1}. k-step ks reads B at 32·(ks & 3) bytes
 // into half ks >> 2 (8-row groups 1024 B apart).
 template <int NT, int MT>
@@ -139,9 +142,9 @@ __device__ __forceinline__ void wg_chunk_mma(float (&acc)[MT][NT][4], u32 wst, u
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// Grid (ceil(N / 64·MT)·CS, ceil(M / 8·NT)) in clusters of CS along x; block (32, 4); dynamic smem
-// ST·(MT·8192 + NT·2048) + 1024 B (1024-byte alignment of the swizzle atoms). Requirements as w8a16_gemm; bf16 out.
-// On other archs the body is empty: the launcher takes this form on compute capability 9.0 only.
+// Grid (ceil(N / 64·MT·G)·CS, ceil(M / 8·NT)) in clusters of CS along x; block (32, 4·G); dynamic smem
+// ST·(G·MT·8192 + NT·2048) + 1024 B (1024-byte alignment of the swizzle atoms). Requirements as w8a16_gemm; bf16
+// out. On other archs the body is empty: the launcher takes this form on compute capability 9.0 only.
 template <int NT, int MT, int ST, int G>
 __global__ void __launch_bounds__(256) w8a16_gemm_wg(const u16* __restrict__ x, int ldx,
                                                      const signed char* __restrict__ q,

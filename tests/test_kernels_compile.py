@@ -1,5 +1,7 @@
 """CPU: every kernel compiles with NVRTC for sm_90 (as sm_90a) and sm_120 (no GPU needed) and reports resources."""
 
+import importlib
+
 import pytest
 
 from kernels import _compile, cli
@@ -28,16 +30,18 @@ def test_check_compiles_every_kernel(tmp_path, monkeypatch, capsys):
     assert len(list(tmp_path.glob("*.cubin"))) == 2 * len(cli.MODULES)
 
 
-def test_wgmma_kernel_is_built_only_for_sm90a(tmp_path, monkeypatch):
-    """Hopper devices get sm_90a cubins, where mla_attn_wgmma has its body (its 64 x 256 fp32 output
-    accumulators alone take 128 registers); elsewhere the body is compiled out and never launched."""
-    from kernels import mla_tree_attention as mla
-
+@pytest.mark.parametrize("module, name, least", [("mla_tree_attention", "mla_attn_wgmma<false>", 128),
+                                                  ("w8a16_gemm", "w8a16_gemm_wg<8, 1, 3, 2>", 64)])
+def test_wgmma_kernel_is_built_only_for_sm90a(module, name, least, tmp_path, monkeypatch):
+    """Hopper devices get sm_90a cubins, where the warpgroup-MMA kernels have their bodies (mla_attn_wgmma's 64 x 256
+    fp32 output accumulators alone take 128 registers, w8a16_gemm_wg<8, ...>'s 64 x 64 take 32 and its int8 fragments
+    more); elsewhere the body is compiled out and never launched."""
+    mod = importlib.import_module(f"kernels.{module}")
     monkeypatch.setattr(_compile, "CACHE_DIR", tmp_path)
     assert _compile.target_arch("sm_90") == "sm_90a" and _compile.target_arch("sm_120") == "sm_120"
-    regs = {arch: _compile.resources(_compile.compile_cubin(_compile.cuda_source(mla.CODE), arch, mla.NAMES))
-            ["mla_attn_wgmma<false>"]["regs"] for arch in ("sm_90a", "sm_120")}
-    assert regs["sm_90a"] > 128 and regs["sm_120"] < 32
+    regs = {arch: _compile.resources(_compile.compile_cubin(_compile.cuda_source(mod.CODE), arch, mod.NAMES))
+            [name]["regs"] for arch in ("sm_90a", "sm_120")}
+    assert regs["sm_90a"] > least and regs["sm_120"] < 32
 
 
 def test_cache_hit_returns_same_cubin(tmp_path, monkeypatch):
