@@ -53,7 +53,7 @@ NAMES = tuple(kernel_name(*v) for v in VARIANTS)
 # (kernels/w8a16_gemm.cu).
 INTERLEAVE = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 CHUNK = 128  # inputs per chunk: must match the .cu (W8_CHUNK)
-RS_WARPS = 4  # warps of a row-split block (each 16·MT weight rows), and of a warpgroup-MMA block
+RS_WARPS = 4  # warps of a row-split block (each 16·MT weight rows)
 WG_FROM_NT = 3  # token tiles from which Hopper takes the warpgroup-MMA forms
 FORCE: tuple[str, int, int] | None = None  # force (form, MT, ST) of VARIANTS (tests, benches); None: `choose`
 CONFIG: tuple[int, int] | None = None  # force the K-split form's (warps, cluster size) (tests); None: `pick_config`
@@ -142,6 +142,7 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     grid_y = -(-M // (8 * nt))  # blocks of 8·nt token rows, each streaming the weights again
     args = (x, x.stride(0), qweight, scale, add, out, M, N, K)
     if form in WG_GROUPS:
+        assert lim.major == 9, "the warpgroup-MMA forms are built for sm_90a only"
         groups = WG_GROUPS[form]
         cs = RS_CS or rs_cluster(N, K, 64 * mt * groups, lim.sms)
         launch(kernel, (-(-N // (64 * mt * groups)), grid_y), (32, 4 * groups), *args, cs, out.stride(0),
