@@ -32,6 +32,14 @@ __device__ __forceinline__ void i8x4_to_bf16(u32 w, u32& lo, u32& hi) {
   hi = pack_bf16x2(f2, f3);
 }
 
+// A 16-row tile's sums times their rows' scales: this lane's rows r (D rows g) and r + 8 (g + 8), 0 past N.
+template <int NT>
+__device__ __forceinline__ void w8_scale_tile(float (&acc)[NT][4], const float* scale, int r, int N) {
+  const float s0 = r < N ? scale[r] : 0.f, s1 = r + 8 < N ? scale[r + 8] : 0.f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] *= s0, acc[n][1] *= s0, acc[n][2] *= s1, acc[n][3] *= s1;
+}
+
 // One chunk's weights (16·MT rows, int8 viewed as 64 u16 a row) and both halves of its token rows into a stage.
 template <int NT, int MT>
 __device__ __forceinline__ void w8_issue(u32 stage, const u16* wt, int nrows, int K, const u16* x, int ldx, int M,
@@ -128,10 +136,7 @@ __global__ void __launch_bounds__(256) w8a16_gemm(const u16* __restrict__ x, int
   pdl_trigger();  // a PDL successor may start; it waits for this grid before reading out
 #pragma unroll
   for (int m = 0; m < MT; ++m) {  // each 16-row tile: scale this lane's rows, then skinny_gemm's sums and stores
-    const int r = row0 + 16 * m + g;
-    const float s0 = r < N ? scale[r] : 0.f, s1 = r + 8 < N ? scale[r + 8] : 0.f;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[m][n][0] *= s0, acc[m][n][1] *= s0, acc[m][n][2] *= s1, acc[m][n][3] *= s1;
+    w8_scale_tile<NT>(acc[m], scale, row0 + 16 * m + g, N);
     finish_tile<NT, OutT>(acc[m], reinterpret_cast<float4*>(smem), reinterpret_cast<float4*>(smem + NW * ST * STAGE),
                           rank, CS, add, out, M, N, ldo, row0 + 16 * m, 0);
   }
@@ -170,10 +175,8 @@ __device__ __forceinline__ void w8_finish_rows(float (&acc)[MT][NT][4], unsigned
   const int NW = blockDim.y, warp = threadIdx.y, lane = threadIdx.x, g = lane >> 2;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    const int r = row_b + (WG ? 64 * (MT * (warp >> 2) + m) + 16 * (warp & 3) : 16 * (warp * MT + m)) + g;
-    const float s0 = r < N ? scale[r] : 0.f, s1 = r + 8 < N ? scale[r + 8] : 0.f;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[m][n][0] *= s0, acc[m][n][1] *= s0, acc[m][n][2] *= s1, acc[m][n][3] *= s1;
+    const int tile = WG ? 64 * (MT * (warp >> 2) + m) + 16 * (warp & 3) : 16 * (warp * MT + m);
+    w8_scale_tile<NT>(acc[m], scale, row_b + tile + g, N);
   }
   float4* sums = reinterpret_cast<float4*>(smem);
   __syncthreads();  // every warp is done with the ring

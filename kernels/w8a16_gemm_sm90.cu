@@ -19,25 +19,10 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d[NT][4] += A[64 x 16] B[16 x 8·NT]: A from registers (the mma.sync A fragment of the warp's 16 rows), B K-major in
 // shared memory (descriptor db). D layout: warp w rows 16w + g, + 8; lane 4g + t columns 8j + 2t, + 1. One
-// specialization per N: the instruction's shape and its 4·NT accumulator operands are literals.
+// specialization per N (NT = 3-8, the token tiles this form is built for): the instruction's shape and its 4·NT
+// accumulator operands are literals.
 template <int NT>
 __device__ __forceinline__ void wgmma_ra(float (&d)[NT][4], const u32 (&a)[4], u64 db);
-template <>
-__device__ __forceinline__ void wgmma_ra<1>(float (&d)[1][4], const u32 (&a)[4], u64 db) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\nwgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
-               "{%0,%1,%2,%3}, "
-               "{%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
-               : WG_F4(0)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-template <>
-__device__ __forceinline__ void wgmma_ra<2>(float (&d)[2][4], const u32 (&a)[4], u64 db) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-               "{%0,%1,%2,%3,%4,%5,%6,%7}, "
-               "{%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-               : WG_F4(0), WG_F4(1)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
 template <>
 __device__ __forceinline__ void wgmma_ra<3>(float (&d)[3][4], const u32 (&a)[4], u64 db) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\nwgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 "
