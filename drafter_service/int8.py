@@ -40,6 +40,16 @@ class Int8Linear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         return cls(*w8.quantize_int8(weight.detach()), None if bias is None else bias.detach())
 
+    @classmethod
+    def stacked(cls, parts) -> Int8Linear:
+        """One Int8Linear of the parts' output rows in order (drafter_service/model.fused_rows)."""
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        return cls(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), bias)
+
+    def rows(self, start: int) -> Int8Linear:
+        """The output rows from `start` on, sharing this one's tensors (rows of a contiguous weight stay contiguous)."""
+        return Int8Linear(self.qweight[start:], self.scale[start:], None if self.bias is None else self.bias[start:])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= KERNEL_MAX_ROWS and w8.fits(flat, self.qweight, self.scale):

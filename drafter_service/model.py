@@ -22,6 +22,10 @@ from torch import nn
 from .model_config import DFlashConfig, RopeConfig
 
 
+# Served on CUDA (use_kernels), each layer's q/k/v and gate/up run as one projection each (Attention.fuse, MLP.fuse).
+FUSE_PROJECTIONS = True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -34,7 +38,7 @@ class RMSNorm(nn.Module):
         if self.fused:
             from kernels.rms_norm import rms_norm
 
-            return rms_norm(x.contiguous(), self.weight, self.eps, cos, sin)
+            return rms_norm(x, self.weight, self.eps, cos, sin)  # a fused projection's column block as it is
         # Normalize in fp32, scale in the activation dtype (Qwen3RMSNorm numerics).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,16 +85,37 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """q, k and v as one projection `qkv_proj` (one GEMM a block instead of three) and k, v as `kv_proj`, rows
+        of the same tensors (the context's K/V). Serving only (DFlashDrafter.use_kernels): the checkpoint's names
+        go."""
+        self.qkv_proj = fused_rows(self.q_proj, self.k_proj, self.v_proj)
+        self.kv_proj = row_block(self.qkv_proj, self.num_heads * self.head_dim)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _heads(self, y: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [..., nkv·hd, nkv·hd] k|v projection output → K (k_norm + RoPE), V, each [..., nkv, hd]."""
+        k, v = y.split(self.num_kv_heads * self.head_dim, dim=-1)
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)
+        return k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] (already normed) → K (k_norm + RoPE), V, each [..., nkv, hd]."""
+        if hasattr(self, "kv_proj"):
+            return self._heads(self.kv_proj(x), cos, sin)
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)
         return k, self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def forward(self, a, cos, sin, ctx, mask):
         """a [B, Bk, H] normed block; cos/sin [B, Bk, 1, hd]; ctx: the context's (K, V), each [B, Lc, nkv, hd],
         or a PagedContext; mask [B, Bk, Lc+Bk]."""
-        q = self.q_norm(self.q_proj(a).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
-        k_blk, v_blk = self.kv(a, cos, sin)
+        if hasattr(self, "qkv_proj"):
+            q, kv = self.qkv_proj(a).split([self.num_heads * self.head_dim, 2 * self.num_kv_heads * self.head_dim], -1)
+            k_blk, v_blk = self._heads(kv, cos, sin)
+        else:
+            q = self.q_proj(a)
+            k_blk, v_blk = self.kv(a, cos, sin)
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
         if isinstance(ctx, PagedContext):
             from kernels.dflash_attention import dflash_attention
 
@@ -112,8 +137,49 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """gate and up as one projection `gate_up_proj` and its SwiGLU by kernels/silu_mul on CUDA (two launches
+        instead of four). Serving only (DFlashDrafter.use_kernels): the checkpoint's names go."""
+        self.gate_up_proj = fused_rows(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not hasattr(self, "gate_up_proj"):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        from kernels import silu_mul
+
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        act = silu_mul.silu_mul(flat) if silu_mul.fits(flat) else silu_mul.silu_mul_ref(flat)
+        return self.down_proj(act.view(*gate_up.shape[:-1], -1))
+
+
+def fused_rows(*parts: nn.Module) -> nn.Module:
+    """One projection whose output is the parts' outputs side by side: their rows stacked (nn.Linear or, after
+    drafter_service/int8.quantize_drafter, Int8Linear; each part's per-row int8 scales stay its own)."""
+    if isinstance(parts[0], nn.Linear):
+        bias = parts[0].bias is not None
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+        if bias:
+            fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+        return fused
+    from drafter_service.int8 import Int8Linear
+
+    assert all(isinstance(p, Int8Linear) for p in parts), [type(p) for p in parts]
+    return Int8Linear.stacked(parts)
+
+
+def row_block(linear: nn.Module, start: int) -> nn.Module:
+    """The projection of `linear`'s output rows from `start` on, sharing its tensors (a view, no copy)."""
+    if isinstance(linear, nn.Linear):
+        block = nn.Linear(linear.in_features, linear.out_features - start, bias=linear.bias is not None,
+                          device="meta")
+        block.weight = nn.Parameter(linear.weight[start:], requires_grad=False)
+        if linear.bias is not None:
+            block.bias = nn.Parameter(linear.bias[start:], requires_grad=False)
+        return block
+    return linear.rows(start)
 
 
 class DecoderLayer(nn.Module):
@@ -169,6 +235,11 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fused = on and m.weight.is_cuda
+        if on and FUSE_PROJECTIONS and self.device.type == "cuda":
+            for layer in self.layers:
+                if hasattr(layer.self_attn, "q_proj"):
+                    layer.self_attn.fuse()
+                    layer.mlp.fuse()
         cfg = self.cfg
         self.paged_attention = on and self.device.type == "cuda" and supports(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size, self.dtype)

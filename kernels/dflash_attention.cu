@@ -25,14 +25,15 @@ struct DflashSmem {
 template <int HD>
 __device__ __forceinline__ int dswz(int r, int c) { return r * HD * 2 + ((c ^ (r & 7)) << 4); }
 
-// q [B, Bk, nh, HD]; kp, vp [slots, nkv, HD] (one pool layer); page_table [B, P]; kb, vb [B, Bk, nkv, HD];
+// q [B, Bk, nh, HD]; kp, vp [slots, nkv, HD] (one pool layer); page_table [B, P]; kb [B, Bk, nkv, HD]; vb the
+// same with its tokens vbs elements apart (a column block of the fused k|v projection's output, not copied);
 // mask byte of (b, t, key j) at mask[b·msb + t·mst + j], keys j of [context ; block]; scale2 = scale·log2(e).
 // Out: o_part [B, nkv, chunks, QR, HD] fp32, ml [B, nkv, chunks, QR] float2 (m, l); m = -inf: no key seen.
 template <int HD>
 __global__ void __launch_bounds__(128) dflash_attn(
     const u16* __restrict__ q, const u16* __restrict__ kp, const u16* __restrict__ vp,
     const i64* __restrict__ page_table, int P, int page_size, const u16* __restrict__ kb,
-    const u16* __restrict__ vb, const unsigned char* __restrict__ mask, i64 msb, i64 mst, int Bk, int nh,
+    const u16* __restrict__ vb, i64 vbs, const unsigned char* __restrict__ mask, i64 msb, i64 mst, int Bk, int nh,
     int nkv, float scale2, float* __restrict__ o_part, float2* __restrict__ ml) {
   constexpr int CH = HD / 8;  // 16-byte chunks per row
   pdl_trigger();  // the merge's blocks may become resident; they wait for this grid before reading it
@@ -58,15 +59,16 @@ __global__ void __launch_bounds__(128) dflash_attn(
     bool seen = false;
     for (int t = 0; t < Bk; ++t) seen |= sm.mask[t * KC + r] != 0;
     const u16 *ks = kp, *vs = vp;
-    i64 off = 0;
+    i64 off = 0, voff = 0;
     if (seen && j < Lc) {
       const i64 slot = page_table[(i64)b * P + j / page_size] * page_size + j % page_size;
-      off = (slot * nkv + h) * HD + 8 * c;
+      voff = off = (slot * nkv + h) * HD + 8 * c;
     } else if (seen) {
-      ks = kb, vs = vb, off = (((i64)b * Bk + (j - Lc)) * nkv + h) * HD + 8 * c;
+      const i64 tok = (i64)b * Bk + (j - Lc);
+      ks = kb, vs = vb, off = (tok * nkv + h) * HD + 8 * c, voff = tok * vbs + h * HD + 8 * c;
     }
     cp_async16_zfill(sm.k + dswz<HD>(r, c), ks + off, seen);
-    cp_async16_zfill(sm.v + dswz<HD>(r, c), vs + off, seen);
+    cp_async16_zfill(sm.v + dswz<HD>(r, c), vs + voff, seen);
   }
   cp_async_commit();
   cp_async_wait<0>();

@@ -8,7 +8,9 @@ k_pool      bf16 [slots, nkv, hd]   one layer of drafter_service.kv_cache.KVPool
                                     page * page_size + offset
 page_table  int64 [B, P]            pages of sequence b in position order: context key j of b is slot
                                     page_table[b, j // page_size] * page_size + j % page_size, j < P·page_size
-k_blk       bf16 [B, Bk, nkv, hd]   the block's own keys (k_norm and RoPE applied); v_blk: its values
+k_blk       bf16 [B, Bk, nkv, hd]   the block's own keys (k_norm and RoPE applied), contiguous; v_blk: its values,
+                                    contiguous or with its tokens any 16-byte-aligned stride apart (a column block
+                                    of the drafter's fused k|v projection output)
 mask        bool [B, Bk, P·page_size + Bk]  token t of b sees key j of [context ; block] (any strides with a
                                     unit last stride: drafter_service.model.block_mask's expanded view works)
 
@@ -57,7 +59,8 @@ def dflash_attention(q, k_pool, v_pool, page_table, page_size: int, k_blk, v_blk
     for t in (k_pool, v_pool):
         assert t.dtype == q.dtype and t.dim() == 3 and t.shape[1:] == (nkv, hd) and t.is_contiguous()
     for t in (k_blk, v_blk):
-        assert t.dtype == q.dtype and t.shape == (B, Bk, nkv, hd) and t.is_contiguous()
+        assert t.dtype == q.dtype and t.shape == (B, Bk, nkv, hd) and t.stride()[2:] == (hd, 1), (t.shape, t.stride())
+    assert k_blk.is_contiguous() and v_blk.stride(0) == Bk * v_blk.stride(1) and v_blk.stride(1) % 8 == 0
     assert page_table.dtype == torch.int64 and page_table.is_contiguous() and page_table.shape[0] == B
     assert mask.dtype == torch.bool and mask.shape == (B, Bk, L) and mask.stride(2) == 1
     out = torch.empty_like(q)
@@ -68,7 +71,7 @@ def dflash_attention(q, k_pool, v_pool, page_table, page_size: int, k_blk, v_blk
     ml = torch.empty(B, nkv, chunks, QR, 2, dtype=torch.float32, device=q.device)
     ker = get_kernels(cuda_source(CODE), NAMES)
     launch(ker[f"dflash_attn<{hd}>"], (chunks, nkv, B), 128, q, k_pool, v_pool, page_table, P, page_size, k_blk,
-           v_blk, mask, np.int64(mask.stride(0)), np.int64(mask.stride(1)), Bk, nh, nkv,
+           v_blk, np.int64(v_blk.stride(1)), mask, np.int64(mask.stride(0)), np.int64(mask.stride(1)), Bk, nh, nkv,
            softmax_scale * math.log2(math.e), o_part, ml, smem=_smem(hd))
     launch(ker[f"dflash_merge<{hd}>"], (QR, nkv, B), hd, o_part, ml, chunks, Bk, nh, nkv, out, pdl=PDL)
     return out

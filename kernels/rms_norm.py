@@ -26,6 +26,7 @@ norms, 9 of them with RoPE (~150 of its ~295 launches, H200 2026-11-30).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
@@ -63,14 +64,16 @@ __device__ __forceinline__ float inv_rms(float ss, float* part, int D, float eps
 // not one warp's serial walk). The row's sum of squares is reduced in a fixed order (per thread, per
 // warp, then warps in order) that does not depend on N: a row's result never depends on its batch.
 // cos/sin null: plain RMSNorm. Otherwise thread t rotates pairs (i, i + D/2), i = t, t + 32·W, ...
+// Row r of x is head r % heads of token r / heads: x + (r / heads)·ld + (r % heads)·D (ld = heads·D when contiguous;
+// a column block of a fused projection's output has its tokens further apart). out is contiguous.
 template <typename T>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ cos,
-                         const T* __restrict__ sin, T* __restrict__ out, int N, int D, int heads, float eps) {
+                         const T* __restrict__ sin, T* __restrict__ out, int N, int D, int heads, i64 ld, float eps) {
   pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
   pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-  const T* xr = x + (i64)row * D;
+  const T* xr = x + (i64)(row / heads) * ld + (i64)(row % heads) * D;
   T* o = out + (i64)row * D;
   float ss = 0.f;
   for (int i = tid; i < D; i += nt) {
@@ -193,7 +196,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
     assert x.is_cuda and x.dtype in _TYPE, (x.shape, x.dtype)
     _check_weight(x, weight)
     ld = _row_stride(x) if cos is None else None
-    if ld is None:  # the general kernel (and RoPE) reads contiguous rows
+    if ld is None and cos is None:  # the general kernel without RoPE reads contiguous rows
         x, ld = x.contiguous(), D
     heads = 1
     if cos is not None:
@@ -208,10 +211,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
     if cos is None and _vectorizable(x, ld, weight, out):
         _launch_vec(x, None, weight, out, None, ld, eps)
         return out
-    x = x.contiguous()  # a strided view that missed the 16-byte path
+    ld = _token_stride(x, heads)
+    if ld is None:  # a strided view that missed the 16-byte path
+        x, ld = x.contiguous(), heads * D
     ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm<{_TYPE[x.dtype]}>"]
-    launch(ker, N, 32 * _warps(D), x, weight, cos, sin, out, N, D, heads, float(eps), pdl=PDL)
+    launch(ker, N, 32 * _warps(D), x, weight, cos, sin, out, N, D, heads, np.int64(ld), float(eps), pdl=PDL)
     return out
+
+
+def _token_stride(x: torch.Tensor, heads: int) -> int | None:
+    """Elements between x's tokens when x [..., heads, D] is a contiguous [heads, D] block per token and its leading
+    dims flatten to one stride (a column block of a projection's output, unflattened into heads); else None."""
+    D = x.shape[-1]
+    if x.is_contiguous():
+        return heads * D
+    if x.dim() < 2 or (heads > 1 and x.stride(-2) != D) or x.stride(-1) != 1:
+        return None
+    try:
+        return x.view(-1, heads, D).stride(0)
+    except RuntimeError:  # leading dims that do not flatten to one stride
+        return None
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

@@ -68,3 +68,18 @@ def test_query_seeing_no_key_gets_zero():
     assert torch.equal(got[1, 3], torch.zeros_like(got[1, 3]))
     want = dflash_attention_ref(q, k_pool, v_pool, page_table, page_size, k_blk, v_blk, mask, scale)
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("heads", [(64, 8, 128), (6, 2, 64)], ids=["kimi", "tiny"])
+def test_values_of_the_block_read_from_a_column_block(heads):
+    """v_blk as the served drafter passes it: the v columns of its fused k|v projection output (tokens 2·nkv·hd
+    apart), read in place: bit for bit the contiguous call."""
+    args = list(_case(2, 3, *heads, seed=9))
+    v_blk = args[6]
+    B, Bk, nkv, hd = v_blk.shape
+    fused = torch.cat([torch.randn(B, Bk, nkv * hd, device="cuda").bfloat16(), v_blk.flatten(-2)], dim=-1)
+    strided = fused[..., nkv * hd:].unflatten(-1, (nkv, hd))
+    assert not strided.is_contiguous() and torch.equal(strided, v_blk)
+    want = dflash_attention(*args)
+    args[6] = strided
+    assert torch.equal(dflash_attention(*args), want)

@@ -107,3 +107,36 @@ def test_drafter_service_loads_int8_weights():
     feats = torch.randn(6, engine.cfg.feature_width, generator=g)
     (result,) = engine.propose([ProposeItem("s", 0, feats, root_token=7, tree_budget=8)])
     assert isinstance(result, Proposal) and len(result.tree.tokens) == 8
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_fused_projections_compute_what_the_separate_ones_do(quantize):
+    """Attention.fuse / MLP.fuse (q|k|v and gate|up as one projection each, the served CUDA layout): the same context
+    K/V and logits as the checkpoint's separate projections, for nn.Linear and Int8Linear (per-row scales kept), and
+    k|v of the context read as rows of the fused tensors, not copies."""
+    model = random_drafter("k26-mini", dtype=torch.float32, seed=5)
+    plain = random_drafter("k26-mini", dtype=torch.float32, seed=5)
+    if quantize:
+        quantize_drafter(model), quantize_drafter(plain)
+    for layer in model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+    attn = model.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and not hasattr(model.layers[0].mlp, "gate_proj")
+    fused_w, kv_w = ((attn.qkv_proj.qweight, attn.kv_proj.qweight) if quantize
+                     else (attn.qkv_proj.weight, attn.kv_proj.weight))
+    assert kv_w.data_ptr() == fused_w[attn.num_heads * attn.head_dim:].data_ptr()
+    B, Bk, L = 2, model.cfg.block_size, 6
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(model.vocab_size, (B, Bk), generator=g)
+    block_pos = torch.arange(L, L + Bk).expand(B, Bk)
+    ctx_pos, ctx_valid = torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool)
+    feats = torch.randn(B * L, model.cfg.feature_width, generator=g)
+
+    def run(m):
+        k, v = m.context_kv(feats, ctx_pos.reshape(-1))  # [layers, B·L, nkv, hd]
+        kb, vb = k.unflatten(1, (B, L)), v.unflatten(1, (B, L))
+        return k, v, m.logits(m.forward_block(ids, block_pos, ctx_pos, ctx_valid, lambda i: (kb[i], vb[i])))
+
+    for got, want in zip(run(model), run(plain)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -531,6 +531,24 @@ def test_rms_norm(shape, rope, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead, heads, D, offset", [((3,), 6, 64, 0), ((2, 5), 8, 128, 64 * 8), ((4,), 1, 96, 96)])
+def test_rms_norm_rope_of_a_column_block(lead, heads, D, offset, dtype):
+    """q_norm / k_norm + RoPE of a fused projection's column block unflattened into heads (tokens further apart than
+    heads·D), read in place: bit for bit the result of the same kernel on a contiguous copy, and near the reference."""
+    g = torch.Generator("cuda").manual_seed(heads * D)
+    wide = (torch.randn(*lead, offset + heads * D + 3 * D, generator=g, device="cuda") * 3).to(dtype)
+    x = wide[..., offset: offset + heads * D].unflatten(-1, (heads, D))
+    assert not x.is_contiguous()
+    w = (1 + 0.5 * torch.randn(D, generator=g, device="cuda")).to(dtype)
+    angles = torch.rand((*lead, 1, D // 2), generator=g, device="cuda") * 100
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    got = rms_norm(x, w, 1e-6, cos, sin)
+    assert torch.equal(got, rms_norm(x.contiguous(), w, 1e-6, cos, sin))
+    want = rms_norm_ref(x, w, 1e-6, cos, sin)
+    assert float((got.float() - want.float()).abs().max()) <= 2**-7 * float(want.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_unaligned_rows(dtype):
     """A contiguous view that starts 2 or 4 bytes into its storage cannot take the 16-byte path (it takes
     the scalar loop): still the reference's result, within test_rms_norm's tolerances."""
