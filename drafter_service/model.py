@@ -94,7 +94,7 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def _heads(self, y: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [..., nkv·hd, nkv·hd] k|v projection output → K (k_norm + RoPE), V, each [..., nkv, hd]."""
+        """y [..., 2·nkv·hd], the k | v projection's output → K (k_norm + RoPE), V (a view of y), each [..., nkv, hd]."""
         k, v = y.split(self.num_kv_heads * self.head_dim, dim=-1)
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)
         return k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -227,9 +227,10 @@ class DFlashDrafter(nn.Module):
         self.paged_attention = False  # use_kernels sets it
 
     def use_kernels(self, on: bool) -> None:
-        """On CUDA: the fused RMSNorm(+RoPE) kernel for every norm, and kernels/dflash_attention for the block
-        attention where its shapes allow (`paged_attention`: callers then pass PagedContext). CPU always runs
-        the torch math."""
+        """On CUDA: the fused RMSNorm(+RoPE) kernel for every norm, kernels/dflash_attention for the block
+        attention where its shapes allow (`paged_attention`: callers then pass PagedContext), and (FUSE_PROJECTIONS)
+        q|k|v and gate|up as one projection each (Attention.fuse, MLP.fuse; once, not undone). CPU always runs the
+        torch math on the checkpoint's separate projections."""
         from kernels.dflash_attention import supports
 
         for m in self.modules():

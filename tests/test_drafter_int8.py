@@ -58,6 +58,20 @@ def test_int8_linear_is_the_dequantized_linear():
                           .bfloat16().float())
 
 
+def drafter_outputs(m, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context K/V [layers, B·L, nkv, hd] of 2 sessions × 6 random feature rows, and the logits of a random block
+    drafted over them."""
+    B, Bk, L = 2, m.cfg.block_size, 6
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(m.vocab_size, (B, Bk), generator=g)
+    block_pos = torch.arange(L, L + Bk).expand(B, Bk)
+    ctx_pos, ctx_valid = torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool)
+    feats = torch.randn(B * L, m.cfg.feature_width, generator=g)
+    k, v = m.context_kv(feats, ctx_pos.reshape(-1))
+    kb, vb = k.unflatten(1, (B, L)), v.unflatten(1, (B, L))
+    return k, v, m.logits(m.forward_block(ids, block_pos, ctx_pos, ctx_valid, lambda i: (kb[i], vb[i])))
+
+
 def test_quantized_drafter_equals_drafter_with_dequantized_weights():
     """A drafter after quantize_drafter computes exactly what the original architecture computes from the
     dequantized weights (built independently: each nn.Linear's weight and the lm_head overwritten), and its
@@ -74,19 +88,7 @@ def test_quantized_drafter_equals_drafter_with_dequantized_weights():
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(linears) == 1 + 7 * model.cfg.num_hidden_layers + 1 and model.lm_head in linears
     assert model.dtype == torch.float32 and model.device.type == "cpu"
-    B, Bk, L = 2, model.cfg.block_size, 6
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(model.vocab_size, (B, Bk), generator=g)
-    block_pos = torch.arange(L, L + Bk).expand(B, Bk)
-    ctx_pos, ctx_valid = torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool)
-    feats = torch.randn(B * L, model.cfg.feature_width, generator=g)
-
-    def logits(m):
-        k, v = m.context_kv(feats, ctx_pos.reshape(-1))  # [layers, B·L, nkv, hd]
-        k, v = k.unflatten(1, (B, L)), v.unflatten(1, (B, L))
-        return m.logits(m.forward_block(ids, block_pos, ctx_pos, ctx_valid, lambda i: (k[i], v[i])))
-
-    got, want, orig = logits(model), logits(twin), logits(original)
+    got, want, orig = (drafter_outputs(m, seed=4)[2] for m in (model, twin, original))
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-3 * float(want.abs().max()))
     assert not torch.equal(got, orig)  # the rounding is real
     assert (got.argmax(-1) == orig.argmax(-1)).float().mean() >= 0.9
@@ -126,17 +128,5 @@ def test_fused_projections_compute_what_the_separate_ones_do(quantize):
     fused_w, kv_w = ((attn.qkv_proj.qweight, attn.kv_proj.qweight) if quantize
                      else (attn.qkv_proj.weight, attn.kv_proj.weight))
     assert kv_w.data_ptr() == fused_w[attn.num_heads * attn.head_dim:].data_ptr()
-    B, Bk, L = 2, model.cfg.block_size, 6
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(model.vocab_size, (B, Bk), generator=g)
-    block_pos = torch.arange(L, L + Bk).expand(B, Bk)
-    ctx_pos, ctx_valid = torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool)
-    feats = torch.randn(B * L, model.cfg.feature_width, generator=g)
-
-    def run(m):
-        k, v = m.context_kv(feats, ctx_pos.reshape(-1))  # [layers, B·L, nkv, hd]
-        kb, vb = k.unflatten(1, (B, L)), v.unflatten(1, (B, L))
-        return k, v, m.logits(m.forward_block(ids, block_pos, ctx_pos, ctx_valid, lambda i: (kb[i], vb[i])))
-
-    for got, want in zip(run(model), run(plain)):
+    for got, want in zip(drafter_outputs(model, seed=6), drafter_outputs(plain, seed=6)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
