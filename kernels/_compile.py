@@ -218,6 +218,16 @@ def _arg(a):
     raise TypeError(f"unsupported kernel argument {type(a)}")
 
 
+@functools.lru_cache(maxsize=1024)
+def resident_blocks(kernel, threads: int, smem: int, device: int) -> int:
+    """Blocks of `kernel` the device holds at once with `threads` threads and `smem` bytes of dynamic shared memory
+    each: the occupancy query per SM × the SMs (at least one per SM). Grids sized in waves of these."""
+    if smem > 48 * 1024:
+        _allow_smem(kernel, smem, device)
+    per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem)
+    return max(1, per_sm) * device_limits(device).sms
+
+
 # (kernel, device) -> the dynamic shared memory it is allowed now. The attribute is one maximum per kernel, so it
 # only ever grows: setting it per launch size would let a smaller launch revoke a larger size that is cached.
 _SMEM_ALLOWED: dict = {}

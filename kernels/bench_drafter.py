@@ -59,9 +59,10 @@ def bench_dflash(copy_bw: float) -> list[dict]:
     return rows
 
 
-# (N, K) of the Kimi DFlash drafter's projections and the lm_head its logits multiply by: q, k (= v), o, gate
-# (= up), down, fc (6 target layers x 7168 inputs), lm_head.
-DRAFTER_GEMMS = ((8192, 7168), (1024, 7168), (7168, 8192), (18432, 7168), (7168, 18432), (7168, 43008),
+# (N, K) of the Kimi DFlash drafter's projections as served (model.py: Attention.fuse, MLP.fuse) and the lm_head its
+# logits multiply by: q|k|v of a block, k|v of the context, o, gate|up, down, fc (6 target layers x 7168 inputs),
+# lm_head.
+DRAFTER_GEMMS = ((10240, 7168), (2048, 7168), (7168, 8192), (36864, 7168), (7168, 18432), (7168, 43008),
                  (163840, 7168))
 
 

@@ -9,7 +9,8 @@ x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D. Or a [N, D] v
         contiguous, row stride x.stride(0)): a fused projection's column block is normed in place of a copy
 weight  [D], x's dtype
 cos/sin None, or contiguous [..., 1, D] (x's dtype) with x = [..., heads, D]: row r of x (flattened) uses
-        cos/sin row r // heads (one angle table per position, shared by its heads). Needs D even.
+        cos/sin row r // heads (one angle table per position, shared by its heads). Needs D even. x may then be
+        a column block of wider token rows unflattened into heads (a fused q|k|v projection's q or k), read in place
 
 Rows of plain RMSNorm whose width is a multiple of 16 bytes (and 16-byte aligned) take `rms_norm_vec`: every
 thread loads its 16-byte chunks of the row and of the weight at once and keeps them in registers for the

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kernels import skinny_gemm as sg
-from kernels._compile import cuda_source, device_limits, get_kernels, launch
+from kernels._compile import cuda_source, device_limits, get_kernels, launch, resident_blocks
 
 CODE = ("skinny_gemm.cu", "w8a16_gemm.cu", "w8a16_gemm_sm90.cu")
 MAX_NT = 8  # token tiles of 8 per weight pass (the K-split form: 4)
@@ -58,19 +58,26 @@ WG_FROM_NT = 3  # token tiles from which Hopper takes the warpgroup-MMA forms
 FORCE: tuple[str, int, int] | None = None  # force (form, MT, ST) of VARIANTS (tests, benches); None: `choose`
 CONFIG: tuple[int, int] | None = None  # force the K-split form's (warps, cluster size) (tests); None: `pick_config`
 RS_CS: int | None = None  # force the row-split form's cluster size (tests); None: `rs_cluster`
+# `rs_cluster`'s cost model: a block's fixed cost (ramp, first stages, cluster sum) in chunks of streaming, and the
+# waves a grid larger than the device adds for its last one. Fitted to H200 sweeps of the drafter's fused shapes at
+# 8-64 rows (docs/kernel-notes/w8a16_gemm.md, session 37): the pick was the best cluster size in 14 of 16 cases.
+BLOCK_COST_CHUNKS, WAVE_TAIL = 2, 0.25
 
 
 def choose(n: int, k: int, nt: int, sms: int, wgmma: bool = False) -> tuple[str, int, int]:
     """(form, MT, ST) for an [n, k] weight and nt token tiles, from H200 sweeps over the drafter's shapes
-    (docs/kernel-notes/w8a16_gemm.md). Weights of under two tiles per SM (k/v) take the K-split form while it holds
-    their rows (4 token tiles), then the one-warpgroup MMA form on Hopper, else the row-split form. Others up to
+    (docs/kernel-notes/w8a16_gemm.md). Weights of under two tiles per SM (the context's k|v) take the one-warpgroup
+    MMA form on Hopper from WG_FROM_NT token tiles (two warpgroups a block from 6), else the K-split form while it
+    holds their rows (4 token tiles), then the row-split form. Others up to
     2 token tiles: long rows (K >= 8192: o, down, fc) and huge weights (lm_head) the row-split form with 4 tiles a
     warp; the rest (q, gate/up) the K-split form for one token tile, the row-split form with 2 tiles a warp for two.
     From WG_FROM_NT token tiles on Hopper, two warpgroups a block sharing the token rows: long rows 2 m64 tiles a
     warpgroup up to 6 token tiles, else 1 m64 tile a warpgroup with 3 stages."""
     tiles = -(-n // 16)
     if tiles < 2 * sms:
-        return ("", 1, 4) if nt <= 4 else ("_wg", 1, 4) if wgmma else ("_rs", 1, 4)
+        if wgmma and nt >= WG_FROM_NT:
+            return ("_wg2", 1, 3) if nt >= 6 else ("_wg", 1, 4)
+        return ("", 1, 4) if nt <= 4 else ("_rs", 1, 4)
     if wgmma and nt >= WG_FROM_NT:
         return ("_wg2", 2, 2) if k >= 8192 and nt <= 6 else ("_wg2", 1, 3)
     if k >= 8192 or tiles >= 16 * sms:
@@ -94,13 +101,22 @@ def pick_config(n: int, k: int, mt: int, st: int, sms: int, smem_max: int = 227 
     return warps, cs
 
 
-def rs_cluster(n: int, k: int, block_rows: int, sms: int) -> int:
-    """Blocks per cluster of the row-split forms (blocks of `block_rows` weight rows): K split until the blocks
-    cover two per SM (at most 8, and at least 8 chunks a block)."""
-    groups, chunks, cs = -(-n // block_rows), -(-k // CHUNK), 1
-    while groups * cs < 2 * sms and cs < 8 and chunks >= 16 * cs:
+def rs_cluster(n: int, k: int, block_rows: int, slots: int) -> int:
+    """Blocks per cluster (K split) of the row-split and warpgroup-MMA forms, for blocks of `block_rows` weight rows
+    and `slots` resident blocks on the device: the power of two up to 8 (at least 4 chunks a block) with the least
+    (chunks a block + BLOCK_COST_CHUNKS) × waves, waves = 1 while the blocks fit the device at once, else
+    blocks / slots + WAVE_TAIL (the last, partly filled wave). A small weight gets its K split until it fills the
+    device; a large one into blocks short enough to even out its tail (lm_head at 8 rows: 640 whole-K blocks on
+    264 slots lose 16 % to 1280 half-K ones)."""
+    groups, chunks = -(-n // block_rows), -(-k // CHUNK)
+    best, cs = None, 1
+    while cs <= 8 and (cs == 1 or chunks >= 4 * cs):
+        blocks = groups * cs
+        cost = (chunks / cs + BLOCK_COST_CHUNKS) * (1 if blocks <= slots else blocks / slots + WAVE_TAIL)
+        if best is None or cost < best[0]:
+            best = (cost, cs)
         cs *= 2
-    return cs
+    return best[1]
 
 
 def rs_smem_bytes(warps: int, nt: int, mt: int, st: int) -> int:
@@ -144,13 +160,13 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if form in WG_GROUPS:
         assert lim.major == 9, "the warpgroup-MMA forms are built for sm_90a only"
         groups = WG_GROUPS[form]
-        cs = RS_CS or rs_cluster(N, K, 64 * mt * groups, lim.sms)
-        launch(kernel, (-(-N // (64 * mt * groups)), grid_y), (32, 4 * groups), *args, cs, out.stride(0),
-               smem=wg_smem_bytes(groups, nt, mt, st), pdl=sg.PDL, cluster=cs)
+        rows, warps, smem = 64 * mt * groups, 4 * groups, wg_smem_bytes(groups, nt, mt, st)
     elif form == "_rs":
-        cs = RS_CS or rs_cluster(N, K, 16 * mt * RS_WARPS, lim.sms)
-        launch(kernel, (-(-N // (16 * mt * RS_WARPS)), grid_y), (32, RS_WARPS), *args, cs, out.stride(0),
-               smem=rs_smem_bytes(RS_WARPS, nt, mt, st), pdl=sg.PDL, cluster=cs)
+        rows, warps, smem = 16 * mt * RS_WARPS, RS_WARPS, rs_smem_bytes(RS_WARPS, nt, mt, st)
+    if form:
+        cs = RS_CS or rs_cluster(N, K, rows, resident_blocks(kernel, 32 * warps, smem, x.device.index))
+        launch(kernel, (-(-N // rows), grid_y), (32, warps), *args, cs, out.stride(0), smem=smem, pdl=sg.PDL,
+               cluster=cs)
     else:
         warps, cs = CONFIG or pick_config(N, K, mt, st, lim.sms, lim.smem_block)
         launch(kernel, (-(-N // (16 * mt)), grid_y), (32, warps), *args, cs, out.stride(0),

@@ -9,6 +9,7 @@ from torch import nn
 
 from drafter_service.int8 import Int8Linear, quantize_drafter
 from drafter_service.synthetic import random_drafter
+from kernels import w8a16_gemm as w8
 from kernels.w8a16_gemm import dequantize_int8, int8_columns, quantize_int8, w8a16_gemm_ref
 
 
@@ -42,6 +43,22 @@ def test_quantize_int8_stores_each_lanes_mma_inputs_together():
                 slot = (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)[j]
                 assert torch.equal(stored[:, 16 * c + 4 * t + j], q[:, 16 * c + slot])
     assert torch.equal(stored[:, 48:], q[:, 48:])
+
+
+@pytest.mark.parametrize("n, k, rows, slots", [(163840, 7168, 256, 264), (36864, 7168, 256, 264), (7168, 8192, 256, 264),
+                                              (2048, 7168, 64, 396), (7168, 256, 256, 264), (128, 128, 256, 264)])
+def test_row_split_cluster_is_the_fewest_waves_of_chunks(n, k, rows, slots):
+    """rs_cluster against every power of two it may take (1..8, at least 4 chunks of 128 inputs a block): the one with
+    the least (chunks a block + BLOCK_COST_CHUNKS) × waves (1, or blocks / slots + WAVE_TAIL past one), the smallest
+    on a tie."""
+    groups, chunks = -(-n // rows), -(-k // 128)
+    allowed = [cs for cs in (1, 2, 4, 8) if cs == 1 or chunks >= 4 * cs]
+    waves = {cs: 1 if groups * cs <= slots else groups * cs / slots + w8.WAVE_TAIL for cs in allowed}
+    cost = {cs: waves[cs] * (chunks / cs + w8.BLOCK_COST_CHUNKS) for cs in allowed}
+    want = min(allowed, key=lambda cs: (cost[cs], cs))
+    assert w8.rs_cluster(n, k, rows, slots) == want
+    if n == 163840:  # lm_head: 3 waves of whole-K blocks lose to 5 of half-K ones
+        assert want == 2
 
 
 def test_int8_linear_is_the_dequantized_linear():
