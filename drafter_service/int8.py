@@ -10,8 +10,8 @@ Int8Linear runs kernels/w8a16_gemm on CUDA for bf16 inputs of up to KERNEL_MAX_R
 new feature rows) and otherwise multiplies by the dequantized weight (CPU, fp32, and a resync's thousands of
 rows, where one bf16 copy of the weight per call costs less than re-streaming it per 64 rows).
 
-On an H200, Kimi's drafter at 1 / 4 / 8 sessions a Propose took -24 / -20 / +2 % against bf16 (BENCHMARKS.md,
-session 36): from ~48 rows a weight pass is bound by the in-register decode and the MMAs, not by the bytes.
+On an H200, Kimi's drafter at 1 / 4 / 8 sessions a Propose took -33 / -26 / -12 % against bf16 (BENCHMARKS.md,
+session 37): from ~48 rows a weight pass is bound by the in-register decode and the MMAs, not by the bytes.
 """
 
 from __future__ import annotations
