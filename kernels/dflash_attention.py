@@ -61,6 +61,7 @@ def dflash_attention(q, k_pool, v_pool, page_table, page_size: int, k_blk, v_blk
     for t in (k_blk, v_blk):
         assert t.dtype == q.dtype and t.shape == (B, Bk, nkv, hd) and t.stride()[2:] == (hd, 1), (t.shape, t.stride())
     assert k_blk.is_contiguous() and v_blk.stride(0) == Bk * v_blk.stride(1) and v_blk.stride(1) % 8 == 0
+    assert v_blk.data_ptr() % 16 == 0  # 16-byte cp.async pieces of each value row
     assert page_table.dtype == torch.int64 and page_table.is_contiguous() and page_table.shape[0] == B
     assert mask.dtype == torch.bool and mask.shape == (B, Bk, L) and mask.stride(2) == 1
     out = torch.empty_like(q)

@@ -60,7 +60,7 @@ CONFIG: tuple[int, int] | None = None  # force the K-split form's (warps, cluste
 RS_CS: int | None = None  # force the row-split form's cluster size (tests); None: `rs_cluster`
 # `rs_cluster`'s cost model: a block's fixed cost (ramp, first stages, cluster sum) in chunks of streaming, and the
 # waves a grid larger than the device adds for its last one. Fitted to H200 sweeps of the drafter's fused shapes at
-# 8-64 rows (docs/kernel-notes/w8a16_gemm.md, session 37): the pick was the best cluster size in 14 of 16 cases.
+# 8-64 rows (docs/kernel-notes/w8a16_gemm.md, session 37): the best cluster size in 13 of 16 cases, within 1 % in 14.
 BLOCK_COST_CHUNKS, WAVE_TAIL = 2, 0.25
 
 
