@@ -45,6 +45,18 @@ class RMSNorm(nn.Module):
         y = self.weight * x32.to(x.dtype)
         return y if cos is None else y * cos + rotate_half(y) * sin
 
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this norm: (h, norm(h)) with h = x + delta (x itself when delta is None). Fused: one
+        launch for both (kernels/rms_norm.add_rms_norm, the same rounding as the add and the norm apart)."""
+        if delta is None:
+            return x, self(x)
+        if self.fused:
+            from kernels.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        h = x + delta
+        return h, self(h)
+
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """[head_dim/2] fp32 inverse frequencies; YaRN blends interpolated and extrapolated ones per dimension."""
@@ -190,9 +202,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, ctx, mask, delta=None):
+        """x [B, Bk, H] the residual stream, delta the previous layer's MLP output not added yet (None: none) ->
+        (the residual stream, this layer's MLP output): each add joins the next norm's launch (RMSNorm.add)."""
+        x, a = self.input_layernorm.add(x, delta)
+        x, m = self.post_attention_layernorm.add(x, self.self_attn(a, cos, sin, ctx, mask))
+        return x, self.mlp(m)
 
 
 @dataclass(frozen=True)
@@ -276,12 +291,13 @@ class DFlashDrafter(nn.Module):
         x = F.embedding(block_ids, self.embed_tokens) * self.cfg.input_embedding_scale
         cos, sin = self.rope(block_pos, x.dtype)
         masks: dict[int | None, torch.Tensor] = {}
+        delta = None
         for i, layer in enumerate(self.layers):
             window = self.cfg.layer_window(i)
             if window not in masks:
                 masks[window] = block_mask(block_pos, ctx_pos, ctx_valid, window)
-            x = layer(x, cos, sin, ctx_kv(i), masks[window])
-        return self.norm(x)
+            x, delta = layer(x, cos, sin, ctx_kv(i), masks[window], delta)
+        return self.norm.add(x, delta)[1]
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[..., H] → fp32 logits [..., V] through the target's lm_head (written into `out` if given)."""

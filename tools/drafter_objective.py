@@ -51,10 +51,11 @@ def block_logits(d: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor, an
     sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]  # [B, A*Bk, S]: strictly before the anchor
     sees_blk = (q_block[:, None] == q_block[None, :])[None].expand(B, -1, -1)  # own block, bidirectional
     mask = torch.cat([sees_ctx, sees_blk], dim=2)  # [B, A*Bk, S + A*Bk]
+    delta = None  # each layer's MLP output, added by the next norm (DecoderLayer.forward)
     for layer in d.layers:
         ctx_k, ctx_v = layer.self_attn.kv(c, cos_c, sin_c)
-        x = layer(x, cos_b, sin_b, (ctx_k, ctx_v), mask)
-    hidden = d.norm(x).view(B, A, Bk, -1)[:, :, 1:]  # [B, A, Bk-1, H]
+        x, delta = layer(x, cos_b, sin_b, (ctx_k, ctx_v), mask, delta)
+    hidden = d.norm.add(x, delta)[1].view(B, A, Bk, -1)[:, :, 1:]  # [B, A, Bk-1, H]
     return d.logits(hidden)  # fp32, through the target's lm_head
 
 
