@@ -19,6 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import silu_mul
+from kernels.dflash_attention import dflash_attention, supports
+from kernels.rms_norm import add_rms_norm, rms_norm
+
 from .model_config import DFlashConfig, RopeConfig
 
 
@@ -36,8 +40,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
         """x [..., dim] → normed; with cos/sin ([..., 1, dim] against x [..., heads, dim]) also rotated (RoPE)."""
         if self.fused:
-            from kernels.rms_norm import rms_norm
-
             return rms_norm(x, self.weight, self.eps, cos, sin)  # a fused projection's column block as it is
         # Normalize in fp32, scale in the activation dtype (Qwen3RMSNorm numerics).
         x32 = x.float()
@@ -51,8 +53,6 @@ class RMSNorm(nn.Module):
         if delta is None:
             return x, self(x)
         if self.fused:
-            from kernels.rms_norm import add_rms_norm
-
             return add_rms_norm(x, delta, self.weight, self.eps)
         h = x + delta
         return h, self(h)
@@ -129,8 +129,6 @@ class Attention(nn.Module):
             k_blk, v_blk = self.kv(a, cos, sin)
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
         if isinstance(ctx, PagedContext):
-            from kernels.dflash_attention import dflash_attention
-
             out = dflash_attention(q, ctx.k, ctx.v, ctx.page_table, ctx.page_size, k_blk, v_blk, mask,
                                    self.head_dim**-0.5)
             return self.o_proj(out.flatten(2))
@@ -159,8 +157,6 @@ class MLP(nn.Module):
         if not hasattr(self, "gate_up_proj"):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
-        from kernels import silu_mul
-
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         act = silu_mul.silu_mul(flat) if silu_mul.fits(flat) else silu_mul.silu_mul_ref(flat)
         return self.down_proj(act.view(*gate_up.shape[:-1], -1))
@@ -246,8 +242,6 @@ class DFlashDrafter(nn.Module):
         attention where its shapes allow (`paged_attention`: callers then pass PagedContext), and (FUSE_PROJECTIONS)
         q|k|v and gate|up as one projection each (Attention.fuse, MLP.fuse; once, not undone). CPU always runs the
         torch math on the checkpoint's separate projections."""
-        from kernels.dflash_attention import supports
-
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fused = on and m.weight.is_cuda
