@@ -17,6 +17,11 @@ __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const u16* p) { return bf2f(*p); }
 __device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_f32(u16* p, float v) { *p = f2bf(v); }
+// RoPE of one interleaved pair (e, o) by angle (c, s) = (cos, sin): (e·c - o·s, e·s + o·c), each product and sum
+// rounded to fp32 on its own as torch's elementwise ops do (no FMA contraction): verifier_service.rope bit for bit.
+__device__ __forceinline__ float2 rope_pair(float e, float o, float c, float s) {
+  return make_float2(__fsub_rn(__fmul_rn(e, c), __fmul_rn(o, s)), __fadd_rn(__fmul_rn(e, s), __fmul_rn(o, c)));
+}
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   u32 r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));

@@ -29,9 +29,9 @@ from kernels._compile import cuda_source, get_kernels, launch
 CODE = r"""
 template <typename T>
 __device__ __forceinline__ void rotate(const T* x, T* out, float c, float s) {
-  const float e = load_f32(x), o = load_f32(x + 1);
-  store_f32(out, __fsub_rn(__fmul_rn(e, c), __fmul_rn(o, s)));
-  store_f32(out + 1, __fadd_rn(__fmul_rn(e, s), __fmul_rn(o, c)));
+  const float2 r = rope_pair(load_f32(x), load_f32(x + 1), c, s);
+  store_f32(out, r.x);
+  store_f32(out + 1, r.y);
 }
 
 // One block per row t: the cache row [c | rope(k_rope)] and the h·R/2 pairs of q's rope parts.
@@ -87,11 +87,13 @@ def mla_rope(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tens
 def mla_rope_ref(q: torch.Tensor, kv: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     R = 2 * cos.shape[1]
-
-    def rotate(x: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor) -> torch.Tensor:  # interleaved pairs, fp32
-        e, o = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-        return torch.stack((e * cs - o * sn, e * sn + o * cs), dim=-1).flatten(-2).to(x.dtype)
-
-    cache[slots] = torch.cat([c, rotate(kv[:, -R:], cos, sin)], dim=-1).to(cache.dtype)
-    q_rope = rotate(q[..., -R:], cos[:, None, :], sin[:, None, :])
+    cache[slots] = torch.cat([c, rotate_pairs_ref(kv[:, -R:], cos, sin)], dim=-1).to(cache.dtype)
+    q_rope = rotate_pairs_ref(q[..., -R:], cos[:, None, :], sin[:, None, :])
     return q_rope if out is None else out.copy_(q_rope)
+
+
+def rotate_pairs_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of interleaved pairs (x[2i], x[2i+1]) by angle i of cos / sin (broadcast to x [..., R/2]), in fp32, rounded
+    once to x's dtype: the torch form of the kernels' rope_pair (kernels/common.cuh)."""
+    e, o = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2).to(x.dtype)

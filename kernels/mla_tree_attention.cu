@@ -74,6 +74,48 @@ __device__ __forceinline__ void copy_row_slabs(unsigned char* dst, int row, cons
   for (int i = 0; i < 9; ++i) cp_async16_zfill(d + SLAB * i, src + (ok ? 8 * sub + 64 * i : 0), ok);
 }
 
+// Where the query rows come from: q [T·h flat (token, head) rows, q_ld elements apart] holds all 576 dims, or with pe
+// only the 512 absorbed ones; then dims 512-575 are q_b's rope part rotated here: pe [T, h, 64] at pe_t / pe_h
+// elements a token / head (16-byte aligned), angles cos / sin [T, 32] fp32 (one per interleaved pair), so that no
+// kernel sits between the query's projections and this one (kernels/rms_norm latent_norms writes the tree rows' keys).
+struct QSrc {
+  const u16* q;
+  int q_ld, h, pe_h;
+  i64 pe_t;
+  const u16* pe;
+  const float* cos;
+  const float* sin;
+};
+
+// Query row qrow (flat) into the smem row at d (its 16-byte chunk sub of slab 0, swizzle applied), slabs `step` bytes
+// apart (ROWB rows: 128; slab-major: SLAB). Chunk sub of each 64-dim slab, zeros when !ok. The rope slab, when
+// rotated here, by plain stores: the block barrier after the cp.async wait publishes both.
+__device__ __forceinline__ void load_q_row(unsigned char* d, int step, const QSrc& s, int qrow, bool ok, int sub) {
+  const u16* src = s.q + (ok ? (i64)qrow * s.q_ld + 8 * sub : 0);
+  const int copied = s.pe == nullptr ? 9 : 8;
+#pragma unroll
+  for (int i = 0; i < 9; ++i)
+    if (i < copied) cp_async16_zfill(d + step * i, src + (ok ? 64 * i : 0), ok);
+  if (s.pe == nullptr) return;
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (ok) {  // pairs 4sub..4sub+3 of token qrow / h, head qrow % h
+    const int t = qrow / s.h;
+    const uint4 x = *reinterpret_cast<const uint4*>(s.pe + t * s.pe_t + (i64)(qrow % s.h) * s.pe_h + 8 * sub);
+    const float4 c = *reinterpret_cast<const float4*>(s.cos + (i64)t * 32 + 4 * sub);
+    const float4 sn = *reinterpret_cast<const float4*>(s.sin + (i64)t * 32 + 4 * sub);
+    const u32 in[4] = {x.x, x.y, x.z, x.w};
+    const float cs[4] = {c.x, c.y, c.z, c.w}, ss[4] = {sn.x, sn.y, sn.z, sn.w};
+    u32 r[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 p = rope_pair(bf2f((u16)(in[k] & 0xFFFFu)), bf2f((u16)(in[k] >> 16)), cs[k], ss[k]);
+      r[k] = (u32)f2bf(p.x) | (u32)f2bf(p.y) << 16;
+    }
+    v = make_uint4(r[0], r[1], r[2], r[3]);
+  }
+  *reinterpret_cast<uint4*>(d + step * 8) = v;
+}
+
 // S = Q Kᵀ for this warp's 16 rows x 8·NT keys over 576 dims. qa: this lane's Q row (row-major); kb: this
 // lane's K row in slab 0 (slab-major). acc[n][c]: CH = 4/NT independent chains per n-tile hide the MMA
 // latency. Out: s[n][4] in mma D layout.
@@ -398,8 +440,10 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
     float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part,
-    float* __restrict__ lse_part, int B, int zsplits, int sched_slots, const void* tmap) {
+    float* __restrict__ lse_part, int B, int zsplits, int sched_slots, const void* tmap, int q_ld,
+    const u16* __restrict__ q_pe, i64 pe_t, int pe_h, const float* __restrict__ rcos, const float* __restrict__ rsin) {
   constexpr int RG = MT / 16, KG = 8 / RG, NT = RG;
+  const QSrc qs{q, q_ld, h, pe_h, pe_t, q_pe, rcos, rsin};
   pdl_trigger();  // the merge's blocks may become resident; they wait for this grid before reading it
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem<MT, NSTAGE>& sm =
@@ -419,8 +463,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   }
 
   // The first one or two tiles are issued before the loop. At MT <= 32 (decode, 2-3-row trees) those wholly inside
-  // the committed prefix go before griddepcontrol.wait: no kernel of a step writes committed keys (mla_rope writes
-  // the tree rows' slots), so under programmatic dependent launch their DRAM latency overlaps the kernel before
+  // the committed prefix go before griddepcontrol.wait: no kernel of a step writes committed keys (its cache write
+  // fills the tree rows' slots), so under programmatic dependent launch their DRAM latency overlaps the kernel before
   // this one. Q and the tiles holding tree rows wait for it. Commit groups: [prefix tiles] [Q (+ tile 0)] [later
   // tiles]. MT = 64 keeps the plain order (its 255 registers have none to spare: 24 B of spills otherwise).
   const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);
@@ -429,10 +473,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
   bool tile1_after_q = first == 2;  // tile 1's commit group is younger than Q's
   if constexpr (MT == 64) {
     pdl_wait();  // launched with PDL: q and the tree rows' latents are written after this
-    for (int row = lr; row < MT; row += 32) {  // Q tile, zero rows past the sequence's queries
-      const bool ok = sq.q0 + row < sq.q_end;
-      copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
-    }
+    for (int row = lr; row < MT; row += 32)  // Q tile, zero rows past the sequence's queries
+      load_q_row(sm.q + row * ROWB + (((sub ^ row) & 7) << 4), 128, qs, sq.q0 + row, sq.q0 + row < sq.q_end, sub);
     fetch_refs<2>(ref, sq, sq.kbeg, lr);
     issue_tile<2, true>(sm.k[0], kv, sq, sq.kbeg, ref, lr, sub);  // commits Q with it
     fetch_refs<2>(ref, sq, sq.kbeg + KT, lr);
@@ -448,10 +490,8 @@ __global__ void __launch_bounds__(256, NSTAGE == 1 ? 2 : 1) mla_attn(
       fetch_refs<2>(ref, sq, sq.kbeg + (i + 1) * KT, lr);
     }
     pdl_wait();
-    for (int row = lr; row < MT; row += 32) {
-      const bool ok = sq.q0 + row < sq.q_end;
-      copy_row(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
-    }
+    for (int row = lr; row < MT; row += 32)
+      load_q_row(sm.q + row * ROWB + (((sub ^ row) & 7) << 4), 128, qs, sq.q0 + row, sq.q0 + row < sq.q_end, sub);
     if (early) cp_async_commit();  // Q's own group; else it goes with tile 0's
     for (int i = early; i < first; ++i) {
       load_tile<2>(sm, i, kv, tmap, sq, sq.kbeg + i * KT, vis_end, ref, lr, sub, tid == 0);

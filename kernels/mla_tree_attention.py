@@ -1,9 +1,14 @@
 """Absorbed-MLA tree attention over the paged latent cache, and its torch reference.
 
     mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_mask, write_slots,
-                       softmax_scale, pad_last=False) -> o_lat bf16 [T, h, 512]
+                       softmax_scale, pad_last=False, rope=None) -> o_lat bf16 [T, h, 512]
 
-q            bf16 [T, h, 576]  per row and head: [W_UKᵀ q_nope (512) ; rotated q_rope (64)]
+q            bf16 [T, h, 576]  per row and head: [W_UKᵀ q_nope (512) ; rotated q_rope (64)]; with rope,
+             [T, h, 512]: the absorbed part only
+rope         None, or (q_pe, cos, sin): the query's rope part before rotation, bf16 [T, h, 64] (last dim
+             contiguous, any token and head strides, 16-byte aligned: the rope columns of q_b's output, no
+             copy), and its angles, fp32 [T, 32] contiguous (one per interleaved pair, amplitude folded in).
+             The kernel rotates it as it loads the query (kernels/mla_rope's rounding, bit for bit)
 kv_cache     bf16 [num_pages, page_size, 576]  one layer of PagedKVCache.kv; slot s = page * page_size
              + offset is row s of the flat view; row = [ĉ (512, RMSNorm'ed latent) ; rotated k_rope (64)]
 page_table   int64 [B, P]   page ids of sequence b in position order (tail unused)
@@ -33,6 +38,7 @@ import ctypes
 import functools
 import math
 
+import numpy as np
 import torch
 
 from kernels._compile import cuda_source, device_limits, get_kernels, launch
@@ -53,7 +59,7 @@ SPLITS = None  # split count forced by the bench (host schedule); None: _split p
 TMA = True  # mla_attn (MT <= 32) and mla_attn_wgmma load whole-prefix tiles by TMA (page_size % 64 == 0); False: cp.async only
 PDL = True  # the split merge by programmatic dependent launch: resident while mla_attn runs (sm_90+)
 # mla_attn and mla_attn_wgmma by programmatic dependent launch too: whole-prefix tiles are issued before their
-# griddepcontrol.wait, overlapping the kernel before them (kernels/mla_rope, which triggers at its start).
+# griddepcontrol.wait, overlapping the kernel before them (W_UK's projection as served, the rope given).
 ATTN_PDL = True
 
 
@@ -180,10 +186,11 @@ def _device_splits(T: int, h: int, mt: int, slots: int) -> int:
 
 
 def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_mask, write_slots,
-                       softmax_scale: float, pad_last: bool = False) -> torch.Tensor:
+                       softmax_scale: float, pad_last: bool = False, rope=None) -> torch.Tensor:
     T, h, d = q.shape
     B, R = prefix_lens.shape[0], tree_mask.shape[1]
-    assert d == D and q.dtype == torch.bfloat16 and q.is_cuda and q.is_contiguous()
+    assert d == (D if rope is None else DV) and q.dtype == torch.bfloat16 and q.is_cuda and q.is_contiguous()
+    rope_args = _rope_args(rope, T, h)
     assert kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 3 and kv_cache.shape[2] == D
     assert kv_cache.is_contiguous()
     for ix, shape in ((page_table, (B, page_table.shape[1])), (prefix_lens, (B,)), (row_starts, (B + 1,)),
@@ -216,6 +223,7 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     # TMA for whole-page tiles where pages hold whole 64-key tiles (sm_90+; mla_attn<64, 2> ignores it)
     tma = page_size % KT == 0 and TMA and lim.major >= 9
     args.append(_tensor_map(kv_cache.data_ptr(), kv_cache.shape[0] * page_size, q.device.index or 0) if tma else None)
+    args += [d, *rope_args]
     launch(ker[_kernel(config, sched > 0)], grid, 256, *args, smem=smem, pdl=ATTN_PDL)
     if splits > 1:
         # the merge kernel and the columns of a query row each of its blocks takes
@@ -225,9 +233,27 @@ def mla_tree_attention(q, kv_cache, page_table, prefix_lens, row_starts, tree_ma
     return out
 
 
+def _rope_args(rope, T: int, h: int) -> list:
+    """The kernels' (q_pe, pe_t, pe_h, cos, sin) arguments: all null / 0 without rope."""
+    if rope is None:
+        return [None, np.int64(0), 0, None, None]
+    q_pe, cos, sin = rope
+    assert q_pe.shape == (T, h, D - DV) and q_pe.dtype == torch.bfloat16 and q_pe.stride(2) == 1, (q_pe.shape,
+                                                                                                  q_pe.stride())
+    assert q_pe.data_ptr() % 16 == 0 and q_pe.stride(0) % 8 == 0 and q_pe.stride(1) % 8 == 0, q_pe.stride()
+    for t in (cos, sin):
+        assert t.shape == (T, (D - DV) // 2) and t.dtype == torch.float32 and t.is_contiguous(), (t.shape, t.dtype)
+    return [q_pe, np.int64(q_pe.stride(0)), q_pe.stride(1), cos, sin]
+
+
 def mla_tree_attention_ref(q, kv_cache, page_table, prefix_lens, row_starts, tree_mask, write_slots,
-                           softmax_scale: float, pad_last: bool = False) -> torch.Tensor:
+                           softmax_scale: float, pad_last: bool = False, rope=None) -> torch.Tensor:
     """fp32 torch, one sequence at a time (pad_last: a launch hint, no effect here)."""
+    if rope is not None:
+        from kernels.mla_rope import rotate_pairs_ref
+
+        q_pe, cos, sin = rope
+        q = torch.cat([q, rotate_pairs_ref(q_pe, cos[:, None, :], sin[:, None, :])], dim=-1)
     page_size = kv_cache.shape[1]
     flat = kv_cache.reshape(-1, D)  # [slots, 576]
     out = torch.empty(*q.shape[:2], DV, dtype=torch.bfloat16, device=q.device)  # [T, h, 512]

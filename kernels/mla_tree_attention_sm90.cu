@@ -138,8 +138,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     int page_size, const i64* __restrict__ prefix_lens, const i64* __restrict__ row_starts,
     const unsigned char* __restrict__ tree_mask, int R, const i64* __restrict__ write_slots, int h,
     float scale2, int TH, u16* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-    int B, int zsplits, int sched_slots, const void* tmap) {
+    int B, int zsplits, int sched_slots, const void* tmap, int q_ld, const u16* __restrict__ q_pe, i64 pe_t,
+    int pe_h, const float* __restrict__ rcos, const float* __restrict__ rsin) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const QSrc qs{q, q_ld, h, pe_h, pe_t, q_pe, rcos, rsin};
   pdl_trigger();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   SmemWG& sm = *reinterpret_cast<SmemWG*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -159,8 +161,8 @@ __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
   __syncthreads();
   const int ntiles = (sq.kend - sq.kbeg + KT - 1) / KT, vis_end = min(sq.L, sq.kend);
   // The first one or two tiles go before the loop. Those by TMA (wholly committed prefix) are issued before
-  // griddepcontrol.wait: no kernel of a step writes committed keys (mla_rope writes the tree rows' slots), so under
-  // programmatic dependent launch their latency overlaps the kernel before this one. Q and the cp.async tiles
+  // griddepcontrol.wait: no kernel of a step writes committed keys (its cache write fills the tree rows' slots), so
+  // under programmatic dependent launch their latency overlaps the kernel before this one. Q and the cp.async tiles
   // wait for it. Commit groups: [TMA tiles' (empty) groups] [Q (+ tile 0)] [tile 1].
   // In the loop warpgroup 1 copies rows 0..47 of a tile (three per thread, 16 apart), warpgroup 0 rows 48..63
   // (one per thread) after issuing its wgmmas; thread 128 issues TMA tiles.
@@ -173,10 +175,8 @@ __global__ void __launch_bounds__(256, 1) mla_attn_wgmma(
     fetch_refs<2>(ref2, sq, sq.kbeg + (i + 1) * KT, lr);
   }
   pdl_wait();  // launched with PDL: q and the tree rows' latents are written after this
-  for (int row = lr; row < 64; row += 32) {  // Q tile, zero rows past the sequence's queries
-    const bool ok = sq.q0 + row < sq.q_end;
-    copy_row_slabs(sm.q, row, q + (ok ? (i64)(sq.q0 + row) * D : 0), ok, sub);
-  }
+  for (int row = lr; row < 64; row += 32)  // Q tile, zero rows past the sequence's queries
+    load_q_row(sm.q + row * 128 + (((sub ^ row) & 7) << 4), SLAB, qs, sq.q0 + row, sq.q0 + row < sq.q_end, sub);
   if (early) cp_async_commit();  // Q's own group; else it goes with tile 0's
   for (int i = early; i < first; ++i) {
     load_tile<2>(sm, i, kv, tmap, sq, sq.kbeg + i * KT, vis_end, ref2, lr, sub, tid == 0);

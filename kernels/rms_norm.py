@@ -4,6 +4,9 @@
     add_rms_norm(x, delta, weight, eps) -> (h, out)       h = x + delta, out = rms_norm(h): a decoder
                                                           layer's residual add and next norm, one launch
     rms_norm_pair(x1, w1, x2, w2, eps) -> (out1, out2)    two norms of the same rows in one launch
+    latent_norms(x1, w1, kv, w2, eps, cos, sin, cache, slots) -> out1
+                                                          the same, the second written to MLA's latent cache
+                                                          rows with its RoPE tail (see below)
 
 x       [..., D] contiguous, fp32 or bf16; rows N = x.numel() / D. Or a [N, D] view of wider rows (last dim
         contiguous, row stride x.stride(0)): a fused projection's column block is normed in place of a copy
@@ -100,19 +103,19 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, const
 // Plain RMSNorm of rows whose D·sizeof(T) is a multiple of 16 (x, w, out 16-byte aligned): thread t < nt holds
 // chunks t, t + nt, ... (at most MAXV of 16 bytes) of the row and of w in registers, all loaded before the first
 // use; threads from nt on only join the block's barriers. Same statistic order rules as rms_norm (independent of
-// N), same rounding. x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out is [N, D]
-// contiguous. delta non-null (residual add first, [N, D] contiguous like h_out): the row normed is
+// N), same rounding. x's rows are `ld` elements apart (ld >= D, ld·sizeof(T) a multiple of 16); out_row is where this
+// block's row goes (16-byte aligned). delta non-null (residual add first, [N, D] contiguous like h_out): the row normed is
 // h = T(x + delta), rounded as torch's add rounds, and h is also written to h_out.
 template <typename T, int MAXV>
 __device__ __forceinline__ void norm_row_vec(const T* __restrict__ x, const T* __restrict__ delta,
-                                             const T* __restrict__ w, T* __restrict__ out, T* __restrict__ h_out,
-                                             int D, int ld, float eps, int nt) {
+                                             const T* __restrict__ w, T* __restrict__ out_row,
+                                             T* __restrict__ h_out, int D, int ld, float eps, int nt) {
   constexpr int VW = 16 / sizeof(T);  // elements per 16-byte chunk
   __shared__ float part[32];
   const int row = blockIdx.x, tid = threadIdx.x, nv = tid < nt ? D / VW : 0;
   const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)row * ld);
   const uint4* wr = reinterpret_cast<const uint4*>(w);
-  uint4* o = reinterpret_cast<uint4*>(out + (i64)row * D);
+  uint4* o = reinterpret_cast<uint4*>(out_row);
   uint4 xv[MAXV], wv[MAXV], dv[MAXV];
 #pragma unroll
   for (int k = 0; k < MAXV; ++k) {
@@ -167,20 +170,36 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delt
                              T* __restrict__ out, T* __restrict__ h_out, int D, int ld, float eps) {
   pdl_trigger();  // a PDL successor (kernels/skinny_gemm) may start streaming its weights; it waits for our output
   pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
-  norm_row_vec<T, MAXV>(x, delta, w, out, h_out, D, ld, eps, blockDim.x);
+  norm_row_vec<T, MAXV>(x, delta, w, out + (i64)blockIdx.x * D, h_out, D, ld, eps, blockDim.x);
 }
 
 // Two RMSNorms of the same N rows in one launch (MLA's q and kv latent norms): grid (N, 2), block y = 0 norms row
 // blockIdx.x of x1 (D1 wide, rows ld1 apart) into out1 with nt1 threads, y = 1 the same of x2. Each with the thread
 // count its own rms_norm_vec launch has, so each result equals that launch's bit for bit.
+// slots2 non-null (MLA's latent cache write, latent_norms): x2's row r goes to out2 + slots2[r]·(D2 + R2) instead,
+// followed by the R2 columns after it in x2's row (k_rope), rotated as interleaved pairs by cos / sin row r
+// ([N, R2/2] fp32): the cache row [normed latent | rope(k_rope)].
 template <typename T, int MAXV>
 __global__ void rms_norm_pair(const T* __restrict__ x1, const T* __restrict__ w1, T* __restrict__ out1, int D1,
                               int ld1, int nt1, const T* __restrict__ x2, const T* __restrict__ w2,
-                              T* __restrict__ out2, int D2, int ld2, int nt2, float eps) {
+                              T* __restrict__ out2, int D2, int ld2, int nt2, float eps, const i64* __restrict__ slots2,
+                              int R2, const float* __restrict__ cos, const float* __restrict__ sin) {
   pdl_trigger();  // the projection after it may start streaming its weights; it waits for our output
   pdl_wait();
-  if (blockIdx.y == 0) norm_row_vec<T, MAXV>(x1, nullptr, w1, out1, nullptr, D1, ld1, eps, nt1);
-  else norm_row_vec<T, MAXV>(x2, nullptr, w2, out2, nullptr, D2, ld2, eps, nt2);
+  const int row = blockIdx.x;
+  if (blockIdx.y == 0) {
+    norm_row_vec<T, MAXV>(x1, nullptr, w1, out1 + (i64)row * D1, nullptr, D1, ld1, eps, nt1);
+    return;
+  }
+  T* o = out2 + (slots2 == nullptr ? (i64)row * D2 : slots2[row] * (D2 + R2));
+  norm_row_vec<T, MAXV>(x2, nullptr, w2, o, nullptr, D2, ld2, eps, nt2);
+  const T* xr = x2 + (i64)row * ld2 + D2;
+  for (int i = threadIdx.x; i < R2 / 2; i += blockDim.x) {
+    const float2 r = rope_pair(io<T>::ld(xr + 2 * i), io<T>::ld(xr + 2 * i + 1), cos[(i64)row * (R2 / 2) + i],
+                               sin[(i64)row * (R2 / 2) + i]);
+    io<T>::st(o + D2 + 2 * i, r.x);
+    io<T>::st(o + D2 + 2 * i + 1, r.y);
+  }
 }
 """
 PDL = True  # launched by programmatic dependent launch: resident while the kernel before it finishes
@@ -270,8 +289,47 @@ def rms_norm_pair(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torc
         nt1, nt2 = 32 * _vec_warps(x1), 32 * _vec_warps(x2)
         ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_pair<{_TYPE[x1.dtype]}, {VEC_CHUNKS}>"]
         launch(ker, (x1.shape[0], 2), max(nt1, nt2), x1, w1, out1, x1.shape[1], ld1, nt1, x2, w2, out2,
-               x2.shape[1], ld2, nt2, float(eps), pdl=PDL)
+               x2.shape[1], ld2, nt2, float(eps), None, 0, None, None, pdl=PDL)
     return out1, out2
+
+
+def latent_norms(x1: torch.Tensor, w1: torch.Tensor, kv: torch.Tensor, w2: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """MLA's two latent norms and its latent cache write in one launch -> rms_norm(x1, w1, eps) (a new tensor);
+    cache[slots] <- [rms_norm(kv[:, :C], w2, eps) | rope(kv[:, C:])], C = w2's width. Bit for bit rms_norm_pair's
+    norms and kernels/mla_rope's rotation (interleaved pairs, cos / sin [N, R/2] fp32 contiguous). x1 [N, D1], kv
+    [N, C + R]: each contiguous or a column block of wider rows; cache [S, C + R] contiguous; slots int64 [N].
+    The rows the tree attention reads for the step's own keys are written here, three launches before it, so no
+    kernel sits between the query's projections and the attention (it rotates the query's rope part itself)."""
+    N, C = kv.shape[0], w2.shape[0]
+    R = kv.shape[1] - C
+    assert x1.dim() == 2 and kv.dim() == 2 and x1.shape[0] == N and R > 0 and R % 2 == 0, (x1.shape, kv.shape)
+    assert cache.dim() == 2 and cache.shape[1] == C + R and cache.dtype == kv.dtype and cache.is_contiguous()
+    assert cos.shape == sin.shape == (N, R // 2) and cos.dtype == sin.dtype == torch.float32, (cos.shape, cos.dtype)
+    assert cos.is_contiguous() and sin.is_contiguous() and slots.shape == (N,) and slots.dtype == torch.int64
+    assert slots.is_contiguous()
+    ld1, ld2 = _row_stride(x1), _row_stride(kv)
+    out1 = torch.empty(x1.shape, dtype=x1.dtype, device=x1.device)
+    if (ld1 is None or ld2 is None or x1.dtype != kv.dtype or not _vectorizable(x1, ld1, w1, out1)
+            or not _vectorizable(kv[:, :C], ld2, w2, cache) or (C + R) * cache.element_size() % 16):
+        return latent_norms_ref(x1, w1, kv, w2, eps, cos, sin, cache, slots)
+    _check_weight(x1, w1)
+    _check_weight(kv[:, :C], w2)
+    if N:
+        nt1, nt2 = 32 * _vec_warps(x1), 32 * _vec_warps(kv[:, :C])
+        ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_pair<{_TYPE[x1.dtype]}, {VEC_CHUNKS}>"]
+        launch(ker, (N, 2), max(nt1, nt2), x1, w1, out1, x1.shape[1], ld1, nt1, kv, w2, cache, C, ld2, nt2,
+               float(eps), slots, R, cos, sin, pdl=PDL)
+    return out1
+
+
+def latent_norms_ref(x1: torch.Tensor, w1: torch.Tensor, kv: torch.Tensor, w2: torch.Tensor, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    from kernels.mla_rope import rotate_pairs_ref
+
+    C = w2.shape[0]
+    cache[slots] = torch.cat([rms_norm_ref(kv[:, :C], w2, eps), rotate_pairs_ref(kv[:, C:], cos, sin)], dim=-1)
+    return rms_norm_ref(x1, w1, eps)
 
 
 def rms_norm_pair_ref(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor,

@@ -15,10 +15,12 @@ from kernels.mla_rope import mla_rope_ref
 from kernels.mla_tree_attention import mla_tree_attention_ref
 from kernels.moe_gate import moe_gate_ref
 from kernels.moe_w4a16 import moe_w4a16_ref
+from kernels.rms_norm import latent_norms_ref
 from kernels.tree_accept import tree_accept_ref
 from verifier_service.acceptance import walk_tree
 from verifier_service.int4 import Int4Weight
 from verifier_service.kv_cache import PagedKVCache
+from verifier_service import mla
 from verifier_service.mla import MLAWeights, attend_absorbed
 from verifier_service.moe import ExpertStack, moe_experts_ref, route
 from verifier_service.plan import SeqRows, build_plan, key_groups
@@ -135,3 +137,32 @@ def test_mla_rope_ref_matches_apply_rope():
     assert torch.equal(q_rope, apply_rope(q[..., nope:], angles.cos()[:, None], angles.sin()[:, None]))
     assert torch.equal(cache[slots], torch.cat([c, apply_rope(kv[:, C:], angles.cos(), angles.sin())], dim=-1))
     assert cache[[1, 2, 4, 6, 8, 9, 10]].eq(0).all()
+
+
+def test_latent_norms_ref_matches_the_model():
+    """kernels/rms_norm latent_norms' reference: the model's two latent norms, and the cache row the model writes
+    (the normed latent, then the rotated k_rope)."""
+    T, q_lora, C, R = 4, 12, 8, 4
+    g = torch.Generator().manual_seed(6)
+    x1, kv = torch.randn(T, q_lora, generator=g), torch.randn(T, C + R, generator=g)
+    w1, w2 = torch.rand(q_lora, generator=g) + 0.5, torch.rand(C, generator=g) + 0.5
+    angles = torch.rand(T, R // 2, generator=g) * 50
+    cache, slots = torch.zeros(9, C + R), torch.tensor([8, 0, 3, 5])
+    q_lat = latent_norms_ref(x1, w1, kv, w2, 1e-6, angles.cos(), angles.sin(), cache, slots)
+    assert torch.allclose(q_lat, mla.rms_norm(x1, w1, 1e-6), atol=1e-6)
+    want = torch.cat([mla.rms_norm(kv[:, :C], w2, 1e-6), apply_rope(kv[:, C:], angles.cos(), angles.sin())], dim=-1)
+    assert torch.allclose(cache[slots], want, atol=1e-6)
+    assert cache[[1, 2, 4, 6, 7]].eq(0).all()
+
+
+def test_mla_ref_rotates_the_query_as_the_model():
+    """mla_tree_attention_ref given rope = (q_pe, cos, sin) and the 512 absorbed columns: the same as given the query
+    the model rotates with apply_rope."""
+    q, *plan = mla_case([3, 1], [70, 5], 2, 16, device="cpu", seed=2)
+    g = torch.Generator().manual_seed(3)
+    q_pe, angles = torch.randn(q.shape[0], 2, 64, generator=g).bfloat16(), torch.rand(q.shape[0], 32, generator=g) * 9
+    cos, sin = angles.cos(), angles.sin()
+    full = torch.cat([q[..., :512], apply_rope(q_pe, cos[:, None], sin[:, None])], dim=-1)
+    got = mla_tree_attention_ref(q[..., :512], *plan, 0.125, rope=(q_pe, cos, sin))
+    assert torch.equal(got, mla_tree_attention_ref(full, *plan, 0.125))
+    assert not torch.equal(got, mla_tree_attention_ref(q, *plan, 0.125))  # the rope part does count

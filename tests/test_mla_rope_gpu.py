@@ -1,10 +1,15 @@
-"""GPU: kernels/mla_rope against the model's own torch math (verifier_service.rope.apply_rope + cat + indexed
-write), bit for bit, and against mla_rope_ref."""
+"""GPU: MLA's RoPE in kernels against the model's own torch math (verifier_service.rope.apply_rope + cat + indexed
+write), bit for bit, and against the references: kernels/mla_rope, kernels/rms_norm latent_norms (the latent cache
+write with the norms) and kernels/mla_tree_attention's own rotation of the query."""
 
 import pytest
 import torch
 
+from kernels import mla_tree_attention as mla_mod
+from kernels.bench import mla_case
 from kernels.mla_rope import mla_rope, mla_rope_ref
+from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
+from kernels.rms_norm import latent_norms, latent_norms_ref, rms_norm_pair
 from verifier_service.rope import apply_rope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -73,3 +78,105 @@ def test_mla_rope_writes_into_the_absorbed_query(T, h, dtype):
     ref_abs = torch.full_like(q_abs, float("nan"))
     mla_rope_ref(q, kv, c, cos, sin, torch.full_like(cache, float("nan")), slots, out=ref_abs[..., C:])
     assert torch.equal(ref_abs[..., C:], want)
+
+
+def latent_case(T: int, q_lora: int, C: int, R: int, dtype: torch.dtype, wide: bool):
+    """The fused latent projection's output [T, q_lora + C + R] (NaN around it when wide) and its pieces."""
+    q, kv, _, cos, sin, cache, slots = case(T, 3, 8, R, C, dtype)
+    g = torch.Generator("cuda").manual_seed(T)
+    qkv = torch.cat([torch.randn(T, q_lora, generator=g, device="cuda").to(dtype), kv], dim=-1)
+    if wide:  # a column block of wider rows, NaN on both sides
+        nan = torch.full((T, 8), float("nan"), dtype=dtype, device="cuda")
+        qkv = torch.cat([nan, qkv, nan], dim=-1)[:, 8: 8 + q_lora + C + R]
+    w1 = (1 + 0.1 * torch.randn(q_lora, generator=g, device="cuda")).to(dtype)
+    w2 = (1 + 0.1 * torch.randn(C, generator=g, device="cuda")).to(dtype)
+    return qkv[:, :q_lora], w1, qkv[:, q_lora:], w2, cos, sin, cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 3, 17, 63])
+@pytest.mark.parametrize("q_lora, C, R", [(1536, 512, 64), (96, 64, 16)])
+@pytest.mark.parametrize("wide", [False, True])
+def test_latent_norms_write_the_cache_rows(T, q_lora, C, R, dtype, wide):
+    """latent_norms = rms_norm_pair's two norms (bit for bit), the second written at the slots with its rope tail
+    rotated as the model rotates it (apply_rope, bit for bit); every other cache row untouched (NaN)."""
+    x1, w1, kv, w2, cos, sin, cache, slots = latent_case(T, q_lora, C, R, dtype, wide)
+    want_q, want_c = rms_norm_pair(x1, w1, kv[:, :C], w2, 1e-6)
+    got_q = latent_norms(x1, w1, kv, w2, 1e-6, cos, sin, cache, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache[slots], torch.cat([want_c, apply_rope(kv[:, C:], cos, sin)], dim=-1))
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert cache[untouched].isnan().all()
+    ref_cache = torch.full_like(cache, float("nan"))
+    ref_q = latent_norms_ref(x1, w1, kv, w2, 1e-6, cos, sin, ref_cache, slots)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)  # sum order, bf16 ties
+    torch.testing.assert_close(ref_q, got_q, **tol)
+    torch.testing.assert_close(ref_cache[slots], cache[slots], **tol)
+    assert torch.equal(ref_cache[slots][:, C:], cache[slots][:, C:])
+
+
+def rope_source(T: int, h: int, seed: int):
+    """q_b's output [T, h, 192] with NaN in its nope part (the kernel must read only the rope columns), the rope
+    view [T, h, 64] and its angles [T, 32] (amplitude folded in)."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    q = torch.randn(T, h, 192, generator=g, device="cuda").bfloat16()
+    q[..., :128] = float("nan")
+    angles = torch.randint(0, 70000, (T, 1), generator=g, device="cuda").float() * torch.rand(32, generator=g,
+                                                                                               device="cuda")
+    return q[..., 128:], angles.cos() * 1.1, angles.sin() * 1.1
+
+
+@pytest.mark.parametrize("rows,prefixes,heads", [([1], [0], 10), ([3], [5], 1), ([17], [1000], 10),
+                                                 ([1, 3, 17], [5, 300, 4097], 9), ([1], [40000], 10)])
+@pytest.mark.parametrize("config", mla_mod.CONFIGS)
+def test_tree_attention_rotates_the_query(config, rows, prefixes, heads, monkeypatch):
+    """rope = (q_pe, cos, sin): the kernel rotates the query's rope part as it loads it. Bit for bit the same call
+    on the query rotated by the model's apply_rope beforehand, on every compiled instance; near the reference."""
+    monkeypatch.setattr(mla_mod, "CONFIG", config)
+    q, *plan = mla_case(rows, prefixes, heads, 64, seed=sum(rows) + heads)
+    q_pe, cos, sin = rope_source(q.shape[0], heads, seed=len(rows))
+    full = torch.cat([q[..., :512], apply_rope(q_pe, cos[:, None, :], sin[:, None, :])], dim=-1)
+    got = mla_tree_attention(q[..., :512].contiguous(), *plan, 0.14467963, rope=(q_pe, cos, sin))
+    assert torch.equal(got, mla_tree_attention(full, *plan, 0.14467963))
+    want = mla_tree_attention_ref(q[..., :512].contiguous(), *plan, 0.14467963, rope=(q_pe, cos, sin))
+    assert torch.equal(want, mla_tree_attention_ref(full, *plan, 0.14467963))
+    o, r = got.double(), want.double()
+    assert torch.isfinite(o).all() and (o - r).norm() / r.norm() < 1e-2  # bf16 P and output, fp32 softmax
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_tree_attention_right_after_latent_norms(graph, monkeypatch):
+    """The served order: latent_norms writes the tree rows' cache rows, the attention (PDL, whole-prefix tiles read
+    before its griddepcontrol.wait) rotates the query itself. It must see those rows, eagerly and from a graph
+    replayed on new inputs. No sync-every-launch fixture: that would hide a missing wait."""
+    monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
+    cases = [mla_case(r, p, 10, 64, seed=i) for i, (r, p) in enumerate([([1], [40000]), ([3], [5000]), ([8], [9000])])]
+    inputs = []
+    for i, (q, *plan) in enumerate(cases):
+        T = q.shape[0]
+        x1, w1, kv, w2, cos, sin, _, _ = latent_case(T, 1536, 512, 64, torch.bfloat16, wide=True)
+        q_pe = rope_source(T, 10, seed=i)[0]
+        inputs.append((q[..., :512].contiguous(), q_pe, x1, w1, kv, w2, cos, sin))
+
+    def step():
+        outs = []
+        for (_, kv_cache, *plan), (q, q_pe, x1, w1, kv, w2, cos, sin) in zip(cases, inputs):
+            latent_norms(x1, w1, kv, w2, 1e-6, cos, sin, kv_cache.view(-1, 576), plan[-1])
+            outs.append(mla_tree_attention(q, kv_cache, *plan, 0.14467963, rope=(q_pe, cos, sin)))
+        return outs
+
+    outs = step()
+    if graph:
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            outs = step()
+        for tensors in inputs:  # new inputs in place: new tree latents and query on replay
+            for t in (tensors[1], tensors[4], tensors[6]):
+                t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+        cg.replay()
+    torch.cuda.synchronize()
+    for out, (_, kv_cache, *plan), (q, q_pe, *_, cos, sin) in zip(outs, cases, inputs):
+        want = mla_tree_attention_ref(q, kv_cache, *plan, 0.14467963, rope=(q_pe, cos, sin))
+        o, r = out.double(), want.double()
+        assert torch.isfinite(o).all() and (o - r).norm() / r.norm() < 1e-2

@@ -240,24 +240,37 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def mla_project_cached(
     x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-    write_slots: torch.Tensor, q_abs: torch.Tensor | None = None, w_uk_t: torch.Tensor | None = None,
+    write_slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_project` + the cache write through kernels (norms, then RoPE and the latent rows in one launch):
-    x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope]; latent rows land at kv_layer[write_slots].
-    q_abs [T, h, C + rope] (the tree-attention kernel's absorbed query) when given: W_UKᵀ q_nope goes into its
-    first C columns, then RoPE writes q_rope into the rest. In that order RoPE is the kernel right before the
-    attention, which starts on the committed prefix as RoPE begins (programmatic dependent launch). w_uk_t: see
-    absorb_query."""
+    x [T, H] -> q_nope [T, h, nope], rotated q_rope [T, h, rope]; latent rows land at kv_layer[write_slots]."""
     from kernels.mla_rope import mla_rope
 
     q, kv, c = _projections(x, w, cfg, True)
-    q_nope = q[..., : cfg.qk_nope_head_dim]
-    rope_out = None
-    if q_abs is not None:
-        absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
-        rope_out = q_abs[..., cfg.kv_lora_rank:]
-    q_rope = mla_rope(q, kv, c, cos.contiguous(), sin.contiguous(), kv_layer, write_slots.contiguous(), rope_out)
-    return q_nope, q_rope
+    q_rope = mla_rope(q, kv, c, cos.contiguous(), sin.contiguous(), kv_layer, write_slots.contiguous())
+    return q[..., : cfg.qk_nope_head_dim], q_rope
+
+
+def mla_project_paged(
+    x: torch.Tensor, w: MLAWeights, cfg: K2Config, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+    write_slots: torch.Tensor, w_uk_t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The tree-attention kernel's query, with the cache write in the latent norms' launch (kernels/rms_norm
+    latent_norms): x [T, H] -> (q_abs [T, h, C] = W_UKᵀ q_nope, rope = (q_pe [T, h, rope] unrotated, cos, sin)).
+    The kernel rotates q_pe as it loads the query, so W_UK's projection is the launch right before it, with no
+    RoPE launch between (H200, 16 layers, upper bound of dropping that launch: 1 row -3.2 %, 16 rows -1.0 %).
+    w_uk_t: see absorb_query."""
+    from kernels.rms_norm import latent_norms
+
+    heads, q_lora, nope = w.q_b_proj.shape[0] // cfg.qk_head_dim, w.q_a_proj.shape[0], cfg.qk_nope_head_dim
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qkv = project(x, w.qkv_a_proj, True)  # [T, q_lora + kv_lora + rope]
+    q_lat = latent_norms(qkv[:, :q_lora], w.q_a_layernorm, qkv[:, q_lora:], w.kv_a_layernorm, LATENT_NORM_EPS,
+                         cos, sin, kv_layer, write_slots.contiguous())
+    q = project(q_lat, w.q_b_proj, True).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
+    q_abs = x.new_empty(x.shape[0], heads, cfg.kv_lora_rank)
+    absorb_query(q[..., :nope], w, cfg, q_abs, w_uk_t)
+    return q_abs, (q[..., nope:], cos, sin)
 
 
 def mla_forward(
@@ -282,19 +295,22 @@ def mla_forward(
     `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA), and the
     projections of few rows (kernels/skinny_linear). `w_uk_t`: W_UK transposed per head (see absorb_query).
     """
-    # The tree-attention kernel reads the absorbed query [T, h, C + rope] = [W_UKᵀ q_nope ; rotated q_rope].
-    q_abs = None if paged is None else x.new_empty(x.shape[0], w.q_b_proj.shape[0] // cfg.qk_head_dim,
-                                                   cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    if fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous():
-        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots, q_abs, w_uk_t)
+    cached = fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous()  # the cache write by kernels
+    if paged is not None:  # the tree-attention kernel's absorbed query [W_UKᵀ q_nope ; rotated q_rope]
+        if cached:
+            q_abs, rope = mla_project_paged(x, w, cfg, cos, sin, kv_layer, write_slots, w_uk_t)
+            return project(attend_paged_kernel(q_abs, w, cfg, *paged, rope=rope), w.o_proj, fused)
+        q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
+        kv_layer[write_slots] = latent.to(kv_layer.dtype)
+        q_abs = x.new_empty(*q_nope.shape[:2], cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
+        q_abs[..., cfg.kv_lora_rank:] = q_rope
+        return project(attend_paged_kernel(q_abs, w, cfg, *paged), w.o_proj, fused)
+    if cached:
+        q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots)
     else:
         q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
         kv_layer[write_slots] = latent.to(kv_layer.dtype)
-        if q_abs is not None:
-            absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
-            q_abs[..., cfg.kv_lora_rank:] = q_rope
-    if paged is not None:
-        return project(attend_paged_kernel(q_abs, w, cfg, *paged), w.o_proj, fused)
     if isinstance(groups, RowKeys):
         return project(attend_rows(q_nope, q_rope, kv_layer, groups, w, cfg, explicit).to(x.dtype), w.o_proj, fused)
     attend = attend_explicit if explicit else attend_absorbed
@@ -320,7 +336,7 @@ def uk_transposed(w: MLAWeights, cfg: K2Config) -> torch.Tensor:
 def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torch.Tensor,
                  w_uk_t: torch.Tensor | None = None) -> None:
     """q_abs[..., :C] = W_UKᵀ q_nope per head: a batched GEMM over heads that reads q_nope [T, h, nope] and writes
-    q_abs [T, h, C + rope] through strided views (cuBLAS takes any row and batch stride: no head-major copies).
+    q_abs [T, h, C] or [T, h, C + rope] through strided views (cuBLAS takes any row and batch stride: no head-major copies).
     With w_uk_t (uk_transposed) and up to UV_SKINNY_MAX_ROWS rows: one kernels/skinny_gemm launch over heads."""
     heads, C = q_nope.shape[1], cfg.kv_lora_rank
     if heads == 0:
@@ -336,9 +352,10 @@ def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torc
 
 
 def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged: torch.Tensor,
-                        plan) -> torch.Tensor:
+                        plan, rope=None) -> torch.Tensor:
     """Absorbed MLA through kernels/mla_tree_attention: q [T, h, 576] = [W_UKᵀ q_nope ; q_rope] (absorb_query and
-    RoPE wrote it), o_lat [T, h, 512] over the paged cache, then W_UV -> [T, h*v] (bf16, CUDA): a batched GEMM
+    RoPE wrote it), or q [T, h, 512] and rope = (q_pe, cos, sin) for the kernel to rotate (mla_project_paged),
+    o_lat [T, h, 512] over the paged cache, then W_UV -> [T, h*v] (bf16, CUDA): a batched GEMM
     over heads through strided views, as absorb_query (K2.6: four ~2.2 us head-major copies per layer before), on
     kernels/skinny_gemm up to UV_SKINNY_MAX_ROWS rows (one launch, PDL), else cuBLAS."""
     from kernels import skinny_gemm
@@ -349,7 +366,7 @@ def attend_paged_kernel(q: torch.Tensor, w: MLAWeights, cfg: K2Config, kv_paged:
         return q.new_zeros(T, 0)
     w_uv = kv_b_heads(w.kv_b_proj, cfg)[1]  # [h, v, C]
     o_lat = mla_tree_attention(q, kv_paged, plan.page_table, plan.prefix_lens, plan.row_starts,
-                               plan.tree_mask, plan.write_slots, cfg.softmax_scale, plan.pad_last)  # [T, h, C]
+                               plan.tree_mask, plan.write_slots, cfg.softmax_scale, plan.pad_last, rope)  # [T, h, C]
     out = o_lat.new_empty(T, heads, cfg.v_head_dim)
     x = o_lat.transpose(0, 1)  # [h, T, C]
     if T <= UV_SKINNY_MAX_ROWS and skinny_gemm.fits(x, w_uv):  # one launch over heads, weights before its wait
