@@ -178,7 +178,7 @@ __global__ void rms_norm_vec(const T* __restrict__ x, const T* __restrict__ delt
 // count its own rms_norm_vec launch has, so each result equals that launch's bit for bit.
 // slots2 non-null (MLA's latent cache write, latent_norms): x2's row r goes to out2 + slots2[r]·(D2 + R2) instead,
 // followed by the R2 columns after it in x2's row (k_rope), rotated as interleaved pairs by cos / sin row r
-// ([N, R2/2] fp32): the cache row [normed latent | rope(k_rope)].
+// ([N, R2/2] fp32): the cache row [normed latent | rope(k_rope)]. R2 = 0 otherwise.
 template <typename T, int MAXV>
 __global__ void rms_norm_pair(const T* __restrict__ x1, const T* __restrict__ w1, T* __restrict__ out1, int D1,
                               int ld1, int nt1, const T* __restrict__ x2, const T* __restrict__ w2,
@@ -192,11 +192,18 @@ __global__ void rms_norm_pair(const T* __restrict__ x1, const T* __restrict__ w1
     return;
   }
   T* o = out2 + (slots2 == nullptr ? (i64)row * D2 : slots2[row] * (D2 + R2));
+  // thread i < R2/2 rotates pair i (R2/2 <= blockDim.x), its inputs loaded before the norm: off the kernel's tail
+  const int i = threadIdx.x;
+  const bool rope = i < R2 / 2;
+  float e = 0.f, od = 0.f, c = 0.f, sn = 0.f;
+  if (rope) {
+    const T* xr = x2 + (i64)row * ld2 + D2;
+    e = io<T>::ld(xr + 2 * i), od = io<T>::ld(xr + 2 * i + 1);
+    c = cos[(i64)row * (R2 / 2) + i], sn = sin[(i64)row * (R2 / 2) + i];
+  }
   norm_row_vec<T, MAXV>(x2, nullptr, w2, o, nullptr, D2, ld2, eps, nt2);
-  const T* xr = x2 + (i64)row * ld2 + D2;
-  for (int i = threadIdx.x; i < R2 / 2; i += blockDim.x) {
-    const float2 r = rope_pair(io<T>::ld(xr + 2 * i), io<T>::ld(xr + 2 * i + 1), cos[(i64)row * (R2 / 2) + i],
-                               sin[(i64)row * (R2 / 2) + i]);
+  if (rope) {
+    const float2 r = rope_pair(e, od, c, sn);
     io<T>::st(o + D2 + 2 * i, r.x);
     io<T>::st(o + D2 + 2 * i + 1, r.y);
   }
@@ -317,6 +324,7 @@ def latent_norms(x1: torch.Tensor, w1: torch.Tensor, kv: torch.Tensor, w2: torch
     _check_weight(kv[:, :C], w2)
     if N:
         nt1, nt2 = 32 * _vec_warps(x1), 32 * _vec_warps(kv[:, :C])
+        assert R // 2 <= max(nt1, nt2), (R, nt1, nt2)  # a rope pair per thread
         ker = get_kernels(cuda_source(CODE), NAMES)[f"rms_norm_pair<{_TYPE[x1.dtype]}, {VEC_CHUNKS}>"]
         launch(ker, (N, 2), max(nt1, nt2), x1, w1, out1, x1.shape[1], ld1, nt1, kv, w2, cache, C, ld2, nt2,
                float(eps), slots, R, cos, sin, pdl=PDL)
