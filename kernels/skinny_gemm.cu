@@ -156,11 +156,13 @@ __device__ __forceinline__ void finish_tile(const float (&acc)[NT][4], float4* r
 // smem: NW·SG_STAGES·(16 + 8·NT)·128 B ring (reused by the warp reduction: NW·NT·512 B) + NT·512 B block sums.
 // Requires K % 8 == 0, ldx % 8 == 0, and w and x 16-byte aligned. out's rows are ldo apart. add: null, or bf16
 // [M, N] with row stride ldo (OutT = u16 only). sigmoid != 0: out = 1 / (1 + e^-y) (the MoE router's scores; each
-// element once, over every block's threads).
+// element once, over every block's threads). early != 0: the PDL successor may become resident from this kernel's
+// start instead of its K loop's end (for a successor with work before its wait: the tree attention's prefix tiles).
 template <int NT, typename OutT>
 __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, int ldx, const u16* __restrict__ w,
                                                    const u16* add, OutT* out, int M, int N, int K, int CS,
-                                                   int sigmoid, int ldo, i64 bx, i64 bw, i64 bo) {
+                                                   int sigmoid, int early, int ldo, i64 bx, i64 bw, i64 bo) {
+  if (early) pdl_trigger();
   constexpr int STAGE = (16 + 8 * NT) * 128;
   extern __shared__ __align__(16) unsigned char smem[];
   const i64 m0 = (i64)blockIdx.y * 8 * NT;  // this block's first row
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(256) skinny_gemm(const u16* __restrict__ x, in
   float acc[NT][4] = {};
   warp_stream<NT>(acc, smem_addr(smem) + warp * SG_STAGES * STAGE, w + (i64)row0 * K, N - row0, x, ldx, M, K, slot,
                   stride, nch);
-  pdl_trigger();  // a PDL successor may start; it waits for this grid before reading out
+  if (!early) pdl_trigger();  // a PDL successor may start; it waits for this grid before reading out
   finish_tile<NT, OutT>(acc, reinterpret_cast<float4*>(smem), reinterpret_cast<float4*>(smem + NW * SG_STAGES * STAGE),
                   rank, CS, add, out, M, N, ldo, row0, sigmoid);
 }

@@ -1,6 +1,6 @@
 """bf16 y = x Wᵀ (+ add) for the few rows of a decode or tree-verify step, on tensor cores, one launch.
 
-    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16, sigmoid=False, out=None) -> y
+    skinny_gemm(x, weight, add=None, out_dtype=torch.bfloat16, sigmoid=False, out=None, early_trigger=False) -> y
                                                                     (into `add` or `out` when given)
 
 x       [M, K] bf16, rows 16-byte aligned (any such row stride), K % 8 == 0. Any M; `fits` (the projections'
@@ -12,6 +12,12 @@ y       [M, N] bf16, or fp32 (out_dtype=torch.float32, no add: the router's logi
         bf16 products, like F.linear(x.float(), weight.float()) up to the order of the sums); sigmoid (fp32 only):
         1 / (1 + e^-y), the router's scores, in the epilogue, where every block's threads share the 384 of a row
         (in kernels/moe_gate's one-warp select the same took ~5 us, H200)
+
+early_trigger: the next kernel (PDL) may become resident as this one starts, not when its weight stream ends; it
+        still waits for this one's end before reading. For a successor with work before its wait: the tree
+        attention after MLA's W_UK loads its prefix tiles meanwhile (H200, verify step of 16 / 61 layers: 4-16 rows
+        -0.4 to -1.1 %, 1 and 64 rows unchanged). Not for a skinny_gemm successor: with every launch so, the step
+        took +3.6 % at 1 row (their weight streams compete).
 
 Batched: x [B, M, K], weight [B, N, K], y [B, M, N] (`out` may be a strided view, rows 1 element apart inside a
 row): one launch for B products, blockIdx.z = b; any batch strides, x's and y's row strides as above (MLA's W_UV
@@ -98,7 +104,7 @@ def _sms(x: torch.Tensor) -> int:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, early_trigger: bool = False) -> torch.Tensor:
     assert fits(x, weight, any_rows=True), (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, weight.dtype)
     B, (M, K), N = (x.shape[0] if x.dim() == 3 else 1), x.shape[-2:], weight.shape[-2]
     shape = (*x.shape[:-2], M, N)
@@ -116,15 +122,16 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None 
     ker = get_kernels(cuda_source(CODE), NAMES)[f"skinny_gemm<{nt}, {_OUT[out_dtype]}>"]
     batch = [np.int64(t.stride(0) if t.dim() == 3 else 0) for t in (x, weight, out)]  # elements per batch item
     launch(ker, (-(-N // 16), -(-M // (8 * nt)), B), (32, warps), x, x.stride(-2), weight, add, out, M, N, K, cs,
-           int(sigmoid), out.stride(-2), *batch, smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
+           int(sigmoid), int(early_trigger), out.stride(-2), *batch, smem=smem_bytes(warps, nt), pdl=PDL, cluster=cs)
     return out
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype = torch.bfloat16, sigmoid: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, early_trigger: bool = False) -> torch.Tensor:
     """fp64 product (+ add) (sigmoid of it), rounded once to out_dtype: the kernel differs only by its fp32 sums.
-    2-D or batched 3-D like skinny_gemm; written into `out` when given, and returned (`add` is left as it is)."""
+    2-D or batched 3-D like skinny_gemm; written into `out` when given, and returned (`add` is left as it is).
+    early_trigger: a launch hint, no effect here."""
     y = x.double() @ weight.double().transpose(-1, -2)
     if add is not None:
         y += add.double()

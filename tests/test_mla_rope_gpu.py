@@ -10,6 +10,7 @@ from kernels.bench import mla_case
 from kernels.mla_rope import mla_rope, mla_rope_ref
 from kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_ref
 from kernels.rms_norm import latent_norms, latent_norms_ref, rms_norm_pair
+from kernels.skinny_gemm import skinny_gemm
 from verifier_service.rope import apply_rope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -146,24 +147,29 @@ def test_tree_attention_rotates_the_query(config, rows, prefixes, heads, monkeyp
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_tree_attention_right_after_latent_norms(graph, monkeypatch):
-    """The served order: latent_norms writes the tree rows' cache rows, the attention (PDL, whole-prefix tiles read
-    before its griddepcontrol.wait) rotates the query itself. It must see those rows, eagerly and from a graph
-    replayed on new inputs. No sync-every-launch fixture: that would hide a missing wait."""
+def test_tree_attention_in_the_served_order(graph, monkeypatch):
+    """The served order: latent_norms writes the tree rows' cache rows, W_UK's skinny_gemm (early_trigger: the
+    attention becomes resident as it starts) writes the absorbed query, the attention (PDL, whole-prefix tiles read
+    before its griddepcontrol.wait) rotates the query's rope part itself. It must see both writes, eagerly and from a
+    graph replayed on new inputs. No sync-every-launch fixture: that would hide a missing wait."""
     monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
     cases = [mla_case(r, p, 10, 64, seed=i) for i, (r, p) in enumerate([([1], [40000]), ([3], [5000]), ([8], [9000])])]
+    g = torch.Generator("cuda").manual_seed(7)
+    w_uk = (torch.randn(10, 512, 128, generator=g, device="cuda") / 128**0.5).bfloat16()  # skinny_gemm's [h, C, nope]
     inputs = []
     for i, (q, *plan) in enumerate(cases):
         T = q.shape[0]
         x1, w1, kv, w2, cos, sin, _, _ = latent_case(T, 1536, 512, 64, torch.bfloat16, wide=True)
-        q_pe = rope_source(T, 10, seed=i)[0]
-        inputs.append((q[..., :512].contiguous(), q_pe, x1, w1, kv, w2, cos, sin))
+        q_nope = torch.randn(10, T, 128, generator=g, device="cuda").bfloat16()  # [h, T, nope]
+        q_abs = torch.empty(T, 10, 512, dtype=torch.bfloat16, device="cuda")
+        inputs.append((q_abs, q_nope, rope_source(T, 10, seed=i)[0], x1, w1, kv, w2, cos, sin))
 
     def step():
         outs = []
-        for (_, kv_cache, *plan), (q, q_pe, x1, w1, kv, w2, cos, sin) in zip(cases, inputs):
+        for (_, kv_cache, *plan), (q_abs, q_nope, q_pe, x1, w1, kv, w2, cos, sin) in zip(cases, inputs):
             latent_norms(x1, w1, kv, w2, 1e-6, cos, sin, kv_cache.view(-1, 576), plan[-1])
-            outs.append(mla_tree_attention(q, kv_cache, *plan, 0.14467963, rope=(q_pe, cos, sin)))
+            skinny_gemm(q_nope, w_uk, out=q_abs.transpose(0, 1), early_trigger=True)
+            outs.append(mla_tree_attention(q_abs, kv_cache, *plan, 0.14467963, rope=(q_pe, cos, sin)))
         return outs
 
     outs = step()
@@ -172,11 +178,12 @@ def test_tree_attention_right_after_latent_norms(graph, monkeypatch):
         with torch.cuda.graph(cg):
             outs = step()
         for tensors in inputs:  # new inputs in place: new tree latents and query on replay
-            for t in (tensors[1], tensors[4], tensors[6]):
+            for t in (tensors[1], tensors[2], tensors[5], tensors[7]):
                 t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
         cg.replay()
     torch.cuda.synchronize()
-    for out, (_, kv_cache, *plan), (q, q_pe, *_, cos, sin) in zip(outs, cases, inputs):
-        want = mla_tree_attention_ref(q, kv_cache, *plan, 0.14467963, rope=(q_pe, cos, sin))
+    for out, (_, kv_cache, *plan), (q_abs, q_nope, q_pe, *_, cos, sin) in zip(outs, cases, inputs):
+        assert torch.equal(q_abs.transpose(0, 1), skinny_gemm(q_nope, w_uk))  # what W_UK wrote, on this replay
+        want = mla_tree_attention_ref(q_abs, kv_cache, *plan, 0.14467963, rope=(q_pe, cos, sin))
         o, r = out.double(), want.double()
         assert torch.isfinite(o).all() and (o - r).norm() / r.norm() < 1e-2

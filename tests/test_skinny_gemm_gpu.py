@@ -102,15 +102,18 @@ def test_skinny_gemm_fp32_out_and_row_blocks(M):
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-6)
 
 
-def test_skinny_gemm_chain_in_a_graph():
+@pytest.mark.parametrize("early", [False, True])  # the successor resident from the first launch's start
+def test_skinny_gemm_chain_in_a_graph(early, monkeypatch):
     """Back-to-back launches (each reads the previous one's output after its griddepcontrol.wait), eager and
-    replayed from a CUDA graph: the same bits, and the graph follows new inputs."""
+    replayed from a CUDA graph: the same bits, and the graph follows new inputs. No sync-every-launch fixture:
+    that would hide a missing wait."""
+    monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
     x, w1, _ = operands(4, 2048, 7168, 1)
     _, w2, add = operands(4, 7168, 2048, 2)
     x = x.contiguous()
 
     def chain(x):
-        return skinny_gemm(skinny_gemm(x, w1), w2, add.clone())
+        return skinny_gemm(skinny_gemm(x, w1, early_trigger=early), w2, add.clone(), early_trigger=early)
 
     want = chain(x)
     assert_close(want, skinny_gemm(x, w1), w2, add)

@@ -269,7 +269,7 @@ def mla_project_paged(
                          cos, sin, kv_layer, write_slots.contiguous())
     q = project(q_lat, w.q_b_proj, True).view(x.shape[0], heads, cfg.qk_head_dim)  # [T, h, 192]
     q_abs = x.new_empty(x.shape[0], heads, cfg.kv_lora_rank)
-    absorb_query(q[..., :nope], w, cfg, q_abs, w_uk_t)
+    absorb_query(q[..., :nope], w, cfg, q_abs, w_uk_t, before_attention=True)
     return q_abs, (q[..., nope:], cos, sin)
 
 
@@ -334,10 +334,11 @@ def uk_transposed(w: MLAWeights, cfg: K2Config) -> torch.Tensor:
 
 
 def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torch.Tensor,
-                 w_uk_t: torch.Tensor | None = None) -> None:
+                 w_uk_t: torch.Tensor | None = None, before_attention: bool = False) -> None:
     """q_abs[..., :C] = W_UKᵀ q_nope per head: a batched GEMM over heads that reads q_nope [T, h, nope] and writes
     q_abs [T, h, C] or [T, h, C + rope] through strided views (cuBLAS takes any row and batch stride: no head-major copies).
-    With w_uk_t (uk_transposed) and up to UV_SKINNY_MAX_ROWS rows: one kernels/skinny_gemm launch over heads."""
+    With w_uk_t (uk_transposed) and up to UV_SKINNY_MAX_ROWS rows: one kernels/skinny_gemm launch over heads;
+    before_attention: the tree-attention kernel is launched right after it (it may start on its prefix tiles)."""
     heads, C = q_nope.shape[1], cfg.kv_lora_rank
     if heads == 0:
         return
@@ -346,7 +347,7 @@ def absorb_query(q_nope: torch.Tensor, w: MLAWeights, cfg: K2Config, q_abs: torc
         from kernels import skinny_gemm
 
         if skinny_gemm.fits(x, w_uk_t):
-            skinny_gemm.skinny_gemm(x, w_uk_t, out=out)
+            skinny_gemm.skinny_gemm(x, w_uk_t, out=out, early_trigger=before_attention)
             return
     torch.matmul(x, kv_b_heads(w.kv_b_proj, cfg)[0], out=out)
 
