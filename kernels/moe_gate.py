@@ -1,6 +1,7 @@
 """MoE router in two launches: fp32 logits + sigmoid, then the biased top-k and the normalized weights.
 
     moe_gate(x, gate, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)
+    gate_select(scores, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)   the second launch
 
 x            [T, H] contiguous, bf16 or fp32
 gate         [E, H] router weight, contiguous; E <= 32·MAX_PER_LANE (512). bf16 (the checkpoint's dtype) with
@@ -170,19 +171,31 @@ def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int
     E = gate.shape[0]
     assert fits(x, gate, top_k) and gate.shape[1] == H, (x.shape, x.dtype, gate.shape, gate.dtype, top_k)
     assert x.is_contiguous() and gate.is_contiguous() and bias.shape == (E,) and bias.dtype == torch.float32
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     if T == 0:
-        return ids, weights
-    kernels = get_kernels(cuda_source(CODE), NAMES)
+        return (torch.empty(0, top_k, dtype=torch.int64, device=x.device),
+                torch.empty(0, top_k, dtype=torch.float32, device=x.device))
     if gate.dtype == torch.bfloat16:
         scores = skinny_gemm.skinny_gemm(x, gate, out_dtype=torch.float32, sigmoid=True)  # [T, E]
     else:
         scores = torch.empty(T, E, dtype=torch.float32, device=x.device)
-        launch(kernels[_LOGITS[x.dtype]], (-(-E // EXPERTS_PER_BLOCK), -(-T // ROWS_PER_BLOCK)), 256, x, gate,
-               scores, T, H, E)
-    launch(kernels[_SELECT], -(-T // 4), 128, scores, bias.contiguous(), T, E, top_k, float(scale),
-           int(renormalize), ids, weights, pdl=PDL)
+        launch(get_kernels(cuda_source(CODE), NAMES)[_LOGITS[x.dtype]],
+               (-(-E // EXPERTS_PER_BLOCK), -(-T // ROWS_PER_BLOCK)), 256, x, gate, scores, T, H, E)
+    return gate_select(scores, bias, top_k, scale, renormalize)
+
+
+def gate_select(scores: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
+                renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_gate's second launch: scores [T, E] fp32 contiguous (the sigmoid already applied) -> (topk_ids,
+    topk_weights) as moe_gate returns them. A NaN or -inf biased score is never chosen; a row with fewer than top_k
+    others takes expert k for choice k."""
+    T, E = scores.shape
+    assert scores.dtype == torch.float32 and scores.is_contiguous() and E <= 32 * MAX_PER_LANE, (scores.shape,)
+    assert bias.shape == (E,) and bias.dtype == torch.float32 and 1 <= top_k <= min(E, 32), (bias.shape, top_k)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=scores.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=scores.device)
+    if T:
+        launch(get_kernels(cuda_source(CODE), NAMES)[_SELECT], -(-T // 4), 128, scores, bias.contiguous(), T, E,
+               top_k, float(scale), int(renormalize), ids, weights, pdl=PDL)
     return ids, weights
 
 

@@ -102,3 +102,51 @@ def test_moe_gate_empty_batch():
     x, gate, bias = router(0, 384, 7168, torch.bfloat16, seed=1)
     ids, weights = moe_gate(x, gate, bias, 8, SCALE)
     assert ids.shape == (0, 8) and weights.shape == (0, 8)
+
+
+def brute_force_select(scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool):
+    """Python over each row: the finite (or +inf) biased scores by value, equal values by lower expert id; choice i
+    past the last such score is expert i. Weights: the chosen unbiased scores summed in choice order (fp32)."""
+    ids, weights = [], []
+    for s_row in scores.cpu():
+        keyed = [(float(v), e) for e, v in enumerate((s_row + bias.cpu()).tolist()) if v == v and v != float("-inf")]
+        chosen = [e for _, e in sorted(keyed, key=lambda t: (-t[0], t[1]))[:k]]
+        chosen += list(range(len(chosen), k))
+        v = s_row[chosen]
+        total = torch.zeros((), dtype=torch.float32)
+        for x in v:
+            total = total + x
+        ids.append(chosen)
+        weights.append((v / (total + 1e-20) if renormalize else v) * SCALE)
+    return torch.tensor(ids), torch.stack(weights)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("E", [384, 512, 72, 8])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gate_select_adversarial_scores(k, E, renormalize):
+    """Ties (coarse values, +0 against -0), NaN, -inf and +inf biased scores, and rows with fewer usable experts than k:
+    gate_select against a Python brute force, ids exactly, weights to fp32 rounding."""
+    from kernels.moe_gate import gate_select
+
+    if k > E:
+        return
+    g = torch.Generator("cuda").manual_seed(E * 100 + k)
+    T = 9
+    scores = (torch.randint(0, 6, (T, E), generator=g, device="cuda") / 8).float()  # many equal values
+    bias = torch.zeros(E, device="cuda")
+    scores[1] = torch.rand(E, generator=g, device="cuda")  # no ties
+    scores[2, ::2] = float("nan")
+    scores[3] = float("nan")  # nothing usable: choice i is expert i
+    bias[E // 2] = float("-inf")
+    scores[4, 1::3] = float("inf")
+    scores[5] = 0.0
+    scores[5, ::2] = -0.0  # -0 and +0 are equal: lower id first
+    scores[6, : E - min(E, k // 2 + 1)] = float("nan")  # fewer usable than k when k > 1
+    scores[7] = -scores[7]  # negative values
+    ids, weights = gate_select(scores, bias, k, SCALE, renormalize)
+    want_ids, want_w = brute_force_select(scores, bias, k, renormalize)
+    assert torch.equal(ids.cpu(), want_ids)
+    usable = ~torch.isnan(weights.cpu()) & ~torch.isnan(want_w)
+    assert torch.equal(usable, ~torch.isnan(want_w))
+    torch.testing.assert_close(weights.cpu()[usable], want_w[usable], rtol=1e-6, atol=0)
