@@ -1,5 +1,7 @@
 """MLA's RoPE and latent cache write in one launch (instead of ~20: two interleaved rotations of ~8 ops
-each, a concatenation, a cast and an indexed write).
+each, a concatenation, a cast and an indexed write). The model's batched torch attention takes it; the tree-attention
+kernel's path splits the same work over the launches around it (kernels/rms_norm latent_norms writes the cache rows,
+the attention rotates the query), so no launch sits between the query's projections and the attention.
 
     mla_rope(q, kv, c, cos, sin, cache, slots, out=None) -> q_rope
 
@@ -40,7 +42,7 @@ __global__ void mla_rope(const T* __restrict__ q, const T* __restrict__ kv, cons
                          const float* __restrict__ cos, const float* __restrict__ sin, T* __restrict__ cache,
                          const i64* __restrict__ slots, T* __restrict__ q_rope, int h, int D, int C, int R,
                          int kv_ld, i64 out_t, i64 out_h) {
-  pdl_trigger();  // the tree-attention kernel after it may start on the committed prefix; it waits for our writes
+  pdl_trigger();  // the kernel after it may become resident; it waits for our writes before reading them
   pdl_wait();  // launched with PDL: what the kernel before wrote is visible after this; no access before it
   const int t = blockIdx.x, half = R / 2;
   const float* ct = cos + (i64)t * half;

@@ -315,49 +315,6 @@ def test_mla_tree_attention_back_to_back(graph, pdl, monkeypatch):
         assert_close(out, mla_tree_attention_ref(*c, 0.14467963), rel=1e-2, cos=0.99995)
 
 
-@pytest.mark.parametrize("graph", [False, True])
-def test_mla_tree_attention_right_after_rope(graph, monkeypatch):
-    """kernels/mla_rope, which triggers its dependents at its start, right before the tree attention, launched with
-    PDL (whole-prefix tiles are read before its griddepcontrol.wait; the mma.sync kernels and, on sm_90, wgmma):
-    the attention must see the rope columns of q and the tree rows' latents that mla_rope writes, eagerly and from
-    a graph replayed on new inputs. No sync-every-launch fixture: that would hide a missing wait."""
-    from kernels.mla_rope import mla_rope
-
-    monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
-    cases = [mla_case(r, p, 10, 64, seed=i) for i, (r, p) in  # decode, trees of 3 and 2 rows, one on wgmma (80 queries)
-             enumerate([([1], [40000]), ([3], [5000]), ([2], [130]), ([8], [9000])])]
-    g = torch.Generator("cuda").manual_seed(0)
-
-    def rope_inputs(T: int):  # q [T, h, nope + rope], kv_a [T, 576], latent [T, 512], cos / sin [T, 32]
-        q = torch.randn(T, 10, 192, generator=g, device="cuda").bfloat16()
-        kv = torch.randn(T, 576, generator=g, device="cuda").bfloat16()
-        c = torch.randn(T, 512, generator=g, device="cuda").bfloat16()
-        angles = torch.rand(T, 32, generator=g, device="cuda") * 6.28
-        return q, kv, c, angles.cos(), angles.sin()
-
-    inputs = [rope_inputs(c[0].shape[0]) for c in cases]
-
-    def step():
-        outs = []
-        for (q_abs, kv_cache, *plan), (q, kv, c, cos, sin) in zip(cases, inputs):
-            mla_rope(q, kv, c, cos, sin, kv_cache.view(-1, 576), plan[-1], q_abs[..., 512:])
-            outs.append(mla_tree_attention(q_abs, kv_cache, *plan, 0.14467963))
-        return outs
-
-    outs = step()
-    if graph:
-        cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg):
-            outs = step()
-        for tensors in inputs:  # new rope inputs in place: new q rope columns and tree latents on replay
-            for t in tensors:
-                t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
-        cg.replay()
-    torch.cuda.synchronize()
-    for out, c in zip(outs, cases):
-        assert_close(out, mla_tree_attention_ref(*c, 0.14467963), rel=1e-2, cos=0.99995)
-
-
 @pytest.mark.parametrize("S,N", [(1, 1), (3, 17), (5, 63), (2, 300)])
 def test_tree_accept(S, N):
     g = torch.Generator().manual_seed(N)
