@@ -101,8 +101,8 @@ __device__ __forceinline__ void load_q_row(unsigned char* d, int step, const QSr
   if (ok) {  // pairs 4sub..4sub+3 of token qrow / h, head qrow % h
     const int t = qrow / s.h;
     const uint4 x = *reinterpret_cast<const uint4*>(s.pe + t * s.pe_t + (i64)(qrow % s.h) * s.pe_h + 8 * sub);
-    const float4 c = *reinterpret_cast<const float4*>(s.cos + (i64)t * 32 + 4 * sub);
-    const float4 sn = *reinterpret_cast<const float4*>(s.sin + (i64)t * 32 + 4 * sub);
+    const float4 c = *reinterpret_cast<const float4*>(s.cos + (i64)t * ((D - DV) / 2) + 4 * sub);
+    const float4 sn = *reinterpret_cast<const float4*>(s.sin + (i64)t * ((D - DV) / 2) + 4 * sub);
     const u32 in[4] = {x.x, x.y, x.z, x.w};
     const float cs[4] = {c.x, c.y, c.z, c.w}, ss[4] = {sn.x, sn.y, sn.z, sn.w};
     u32 r[4];

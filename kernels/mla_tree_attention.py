@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from kernels._compile import cuda_source, device_limits, get_kernels, launch
+from kernels.mla_rope import rotate_pairs_ref
 
 CODE = ("mla_tree_attention.cu", "mla_tree_attention_sm90.cu")
 # mla_attn<MT, NSTAGE> (mma.sync): MT query rows per block, NSTAGE cp.async stages of 64-key tiles (73.7 KB).
@@ -250,8 +251,6 @@ def mla_tree_attention_ref(q, kv_cache, page_table, prefix_lens, row_starts, tre
                            softmax_scale: float, pad_last: bool = False, rope=None) -> torch.Tensor:
     """fp32 torch, one sequence at a time (pad_last: a launch hint, no effect here)."""
     if rope is not None:
-        from kernels.mla_rope import rotate_pairs_ref
-
         q_pe, cos, sin = rope
         q = torch.cat([q, rotate_pairs_ref(q_pe, cos[:, None, :], sin[:, None, :])], dim=-1)
     page_size = kv_cache.shape[1]

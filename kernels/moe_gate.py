@@ -172,9 +172,8 @@ def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int
     assert fits(x, gate, top_k) and gate.shape[1] == H, (x.shape, x.dtype, gate.shape, gate.dtype, top_k)
     assert x.is_contiguous() and gate.is_contiguous() and bias.shape == (E,) and bias.dtype == torch.float32
     if T == 0:
-        return (torch.empty(0, top_k, dtype=torch.int64, device=x.device),
-                torch.empty(0, top_k, dtype=torch.float32, device=x.device))
-    if gate.dtype == torch.bfloat16:
+        scores = torch.empty(0, E, dtype=torch.float32, device=x.device)
+    elif gate.dtype == torch.bfloat16:
         scores = skinny_gemm.skinny_gemm(x, gate, out_dtype=torch.float32, sigmoid=True)  # [T, E]
     else:
         scores = torch.empty(T, E, dtype=torch.float32, device=x.device)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kernels._compile import cuda_source, get_kernels, launch
+from kernels.mla_rope import rotate_pairs_ref
 
 CODE = r"""
 template <typename T> struct io;
@@ -333,8 +334,6 @@ def latent_norms(x1: torch.Tensor, w1: torch.Tensor, kv: torch.Tensor, w2: torch
 
 def latent_norms_ref(x1: torch.Tensor, w1: torch.Tensor, kv: torch.Tensor, w2: torch.Tensor, eps: float,
                      cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    from kernels.mla_rope import rotate_pairs_ref
-
     C = w2.shape[0]
     cache[slots] = torch.cat([rms_norm_ref(kv[:, :C], w2, eps), rotate_pairs_ref(kv[:, C:], cos, sin)], dim=-1)
     return rms_norm_ref(x1, w1, eps)

@@ -292,25 +292,24 @@ def mla_forward(
     kv_layer [num_slots, 576] is one layer's cache viewed flat; rows are written before attention reads.
     `paged` = (kv [pages, page_size, 576], plan) selects the CUDA tree-attention kernel (absorbed form);
     `groups` = RowKeys selects the sync-free batched path, a list of KeyGroups the per-session reference.
-    `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, kernels/mla_rope; CUDA), and the
+    `fused`: norms, RoPE and the cache write in kernels (kernels/rms_norm, and kernels/mla_rope or, with `paged`,
+    the tree-attention kernel's own rotation; CUDA), and the
     projections of few rows (kernels/skinny_linear). `w_uk_t`: W_UK transposed per head (see absorb_query).
     """
     cached = fused and kv_layer.dtype == x.dtype and kv_layer.is_contiguous()  # the cache write by kernels
-    if paged is not None:  # the tree-attention kernel's absorbed query [W_UKᵀ q_nope ; rotated q_rope]
-        if cached:
-            q_abs, rope = mla_project_paged(x, w, cfg, cos, sin, kv_layer, write_slots, w_uk_t)
-            return project(attend_paged_kernel(q_abs, w, cfg, *paged, rope=rope), w.o_proj, fused)
-        q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
-        kv_layer[write_slots] = latent.to(kv_layer.dtype)
-        q_abs = x.new_empty(*q_nope.shape[:2], cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
-        q_abs[..., cfg.kv_lora_rank:] = q_rope
-        return project(attend_paged_kernel(q_abs, w, cfg, *paged), w.o_proj, fused)
+    if paged is not None and cached:  # the tree-attention kernel rotates the query itself
+        q_abs, rope = mla_project_paged(x, w, cfg, cos, sin, kv_layer, write_slots, w_uk_t)
+        return project(attend_paged_kernel(q_abs, w, cfg, *paged, rope=rope), w.o_proj, fused)
     if cached:
         q_nope, q_rope = mla_project_cached(x, w, cfg, cos, sin, kv_layer, write_slots)
     else:
         q_nope, q_rope, latent = mla_project(x, w, cfg, cos, sin, fused)
         kv_layer[write_slots] = latent.to(kv_layer.dtype)
+    if paged is not None:  # the tree-attention kernel's absorbed query [W_UKᵀ q_nope ; rotated q_rope]
+        q_abs = x.new_empty(*q_nope.shape[:2], cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        absorb_query(q_nope, w, cfg, q_abs, w_uk_t)
+        q_abs[..., cfg.kv_lora_rank:] = q_rope
+        return project(attend_paged_kernel(q_abs, w, cfg, *paged), w.o_proj, fused)
     if isinstance(groups, RowKeys):
         return project(attend_rows(q_nope, q_rope, kv_layer, groups, w, cfg, explicit).to(x.dtype), w.o_proj, fused)
     attend = attend_explicit if explicit else attend_absorbed
