@@ -9,7 +9,7 @@ from drafter_service.synthetic import preset_config as drafter_preset
 from drafter_service.synthetic import random_drafter
 from gateway.tiny_tokenizer import write_synthetic_tokenizer
 from gateway.tokenizer import KimiTokenizer
-from verifier_service.bench_verify import expected_max_experts
+from verifier_service.bench_verify import expected_max_experts, to_slowest_rank
 from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, preset_config, random_target
 from verifier_service.weights import Split
@@ -121,3 +121,22 @@ def test_split_rows_aligned_and_covering():
             assert all(x % 8 == 0 and x > 0 for x in lens) and max(lens) - min(lens) <= 8, (n, size, lens)
         else:
             assert parts == [split_range(n, r, size) for r in range(size)]
+
+
+def test_slowest_routing_puts_the_most_loaded_rank_on_rank_0():
+    """`bench verify --routing slowest`: each uniform draw rotated so that rank 0 holds the most loaded rank's
+    experts; over many one-row draws rank 0 then holds the expected maximum (~2.7), not the mean (~1.14)."""
+    n, world, k = 384, 7, 8
+    g = torch.Generator().manual_seed(0)
+    held = []
+    for rows in (1, 1, 1, 16) * 100:
+        ids = torch.rand(rows, n, generator=g).topk(k).indices
+        loads = [int(ids[(ids >= r.start) & (ids < r.stop)].unique().numel())
+                 for r in (split_range(n, q, world) for q in range(world))]
+        rotated = to_slowest_rank(ids, n, world)
+        assert all(len(set(row)) == k for row in rotated.tolist())
+        mine = int(rotated[rotated < 55].unique().numel())
+        assert max(loads) <= mine <= max(loads) + 1, (loads, mine)
+        if rows == 1:
+            held.append(mine)
+    assert 2.5 < sum(held) / len(held) < 2.95

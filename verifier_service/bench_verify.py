@@ -54,8 +54,10 @@ def add_parser(bsub) -> None:
     p.add_argument("--split-replicated", action=argparse.BooleanOptionalAction, default=True,
                    help="split the shared and dense MLPs and the lm_head over the ranks, as the verifier does by "
                         "default (--no-split-replicated: replicated on every rank)")
-    p.add_argument("--routing", default="model", choices=("model", "uniform"),
-                   help="model: the synthetic router's choice; uniform: its cost, but uniform random top-k ids")
+    p.add_argument("--routing", default="model", choices=("model", "uniform", "slowest"),
+                   help="model: the synthetic router's choice; uniform: its cost, but uniform random top-k ids (this "
+                        "rank then holds the mean rank's load); slowest: the same draws, each rotated so that this "
+                        "rank holds the most loaded rank's experts, the load a served step waits for")
     p.add_argument("--one-shot-all-reduce-kb", type=int, default=VerifierConfig.one_shot_all_reduce_kb,
                    help="under torchrun: all-reduces up to this many KiB by kernels/all_reduce (the verifier's "
                         "flag); 0 = NCCL for all")
@@ -152,14 +154,27 @@ def time_step(model: K2Model, plan, host_plan, kv: torch.Tensor, graphs: GraphRu
     return eager, time_ms(lambda: graphs.forward(host_plan, ()), iters)
 
 
+def to_slowest_rank(ids: torch.Tensor, n: int, world: int) -> torch.Tensor:
+    """Expert ids [rows, k] rotated (mod n, a bijection) so that rank 0's contiguous range holds the experts of the
+    rank with the most distinct touched experts: rank 0 then carries the load a served step waits for (one expert
+    more at most, when that rank's range is shorter than rank 0's)."""
+    starts = torch.tensor([split_range(n, r, world).start for r in range(world)], device=ids.device)
+    owner = torch.bucketize(ids.unique(), starts, right=True) - 1
+    slowest = int(torch.bincount(owner, minlength=world).argmax())
+    return (ids - starts[slowest]) % n
+
+
 @contextlib.contextmanager
-def uniform_routing(cfg, rows: int, seed: int = 0):
+def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0):
     """`--routing uniform`: each MoE layer's router still runs (its cost stays in the step), but the layer
     takes its top-k ids from a fixed uniform draw per layer and row, made here outside any graph: the
-    routing the uniform floor assumes. The synthetic weights route a tree's rows almost alike."""
+    routing the uniform floor assumes. The synthetic weights route a tree's rows almost alike.
+    `slowest_of` = N ranks (`--routing slowest`): each draw `to_slowest_rank`."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     draws = [torch.rand(rows, cfg.n_routed_experts, generator=g, device="cuda").topk(cfg.num_experts_per_tok).indices
              for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    if slowest_of > 1:
+        draws = [to_slowest_rank(d, cfg.n_routed_experts, slowest_of) for d in draws]
     calls, real = itertools.count(), moe_module.route
 
     def route(x, w, cfg_, use_kernel=False):
@@ -237,7 +252,9 @@ def main(args) -> int:
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, cfg.vocab_size, rng, args.max_context, args.sessions)
         host_plan = plan_to(plan, "cpu")
-        with uniform_routing(cfg, rows * args.sessions) if args.routing == "uniform" else contextlib.nullcontext():
+        drawn = (uniform_routing(cfg, rows * args.sessions, slowest_of=world if args.routing == "slowest" else 0)
+                 if args.routing != "model" else contextlib.nullcontext())
+        with drawn:
             eager, replay = time_step(fast, plan, host_plan, cache.kv, graphs, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
             touched = touched_experts(fast, plan, cache.kv, experts)
