@@ -108,12 +108,17 @@ def floor_bytes(cfg, layers: int, experts: int, heads: int, rows: int, prefix: i
     return layers * (attn + kv) + moe_layers * moe + (layers - moe_layers) * dense + head
 
 
+def expert_owners(n: int, world: int, device=None) -> torch.Tensor:
+    """int64 [n]: the rank holding each routed expert (contiguous ranges, split_range)."""
+    return torch.tensor([r for r in range(world) for _ in split_range(n, r, world)], device=device)
+
+
 def expected_max_experts(cfg, world: int, rows: int, trials: int = 2000, seed: int = 0) -> float:
     """E[max over the ranks of the experts one MoE layer reads] when each of `rows` tokens routes to
     top-k distinct experts uniformly at random (reference/perf.md §3.2, Monte Carlo): the rank with the
     most touched experts sets the step time under expert parallelism."""
     n, k, chunk = cfg.n_routed_experts, cfg.num_experts_per_tok, 250
-    owner = torch.tensor([r for r in range(world) for _ in split_range(n, r, world)])
+    owner = expert_owners(n, world)
     g = torch.Generator().manual_seed(seed)
     total = 0.0
     for _ in range(0, trials, chunk):
@@ -158,10 +163,9 @@ def to_slowest_rank(ids: torch.Tensor, n: int, world: int) -> torch.Tensor:
     """Expert ids [rows, k] rotated (mod n, a bijection) so that rank 0's contiguous range holds the experts of the
     rank with the most distinct touched experts: rank 0 then carries the load a served step waits for (one expert
     more at most, when that rank's range is shorter than rank 0's)."""
-    starts = torch.tensor([split_range(n, r, world).start for r in range(world)], device=ids.device)
-    owner = torch.bucketize(ids.unique(), starts, right=True) - 1
+    owner = expert_owners(n, world, ids.device)[ids.unique()]
     slowest = int(torch.bincount(owner, minlength=world).argmax())
-    return (ids - starts[slowest]) % n
+    return (ids - split_range(n, slowest, world).start) % n
 
 
 @contextlib.contextmanager
