@@ -36,10 +36,19 @@ class Experts:  # what moe_w4a16 reads of verifier_service.moe.ExpertStack
     up_proj: Int4
     down_proj: Int4
     first: int
+    slices: int = 1
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def count(self) -> int:
+        return self.gate_proj.packed.shape[0]
 
 
-def random_experts(E: int, H: int, I: int, first: int = 0, device="cuda", seed: int = 0) -> Experts:
-    """Uniform random nibbles (q = -8 included), scales in [0.004, 0.02): outputs of order 1."""
+def random_experts(E: int, H: int, I: int, first: int = 0, device="cuda", seed: int = 0, slices: int = 1,
+                   rank: int = 0, world: int = 1) -> Experts:
+    """Uniform random nibbles (q = -8 included), scales in [0.004, 0.02): outputs of order 1. slices > 1: E slices
+    of I rows each, placed as verifier_service.moe.ExpertShard(rank, world, slices) places them."""
     g = torch.Generator(device).manual_seed(seed)
 
     def mat(out: int, inp: int) -> Int4:
@@ -47,7 +56,7 @@ def random_experts(E: int, H: int, I: int, first: int = 0, device="cuda", seed: 
         scale = torch.rand(E, out, inp // 32, generator=g, device=device) * 0.016 + 0.004
         return Int4(packed.to(torch.int32), scale.to(torch.bfloat16))
 
-    return Experts(mat(I, H), mat(I, H), mat(H, I), first)
+    return Experts(mat(I, H), mat(I, H), mat(H, I), first, slices, rank, world)
 
 
 def spread_routing(T: int, k: int, active: int, E: int, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:

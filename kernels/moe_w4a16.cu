@@ -26,7 +26,23 @@
 #define CG 4                 // scale groups (32 inputs each) per stage: 64 B of words per row
 #define ROWW (CG * 4 + 4)    // words per staged row (80 B): 8 rows of an ldmatrix hit 8 distinct bank quads
 
-// Pairs p = t*k + s of the [T, k] routing; local expert e = topk_ids[p] - first, owned iff 0 <= e < E.
+// Local expert of pair p of the routing (P = T*k*S pairs, p = (t*k + j)*S + s: slice s of expert
+// topk_ids[t, j]), or -1 where another rank holds it. S = 1 (whole experts): ids first .. first+E-1 are this
+// rank's. S > 1 (each expert cut into S slices of I/S intermediate rows): global slice g = id*S + s lives on
+// rank g % W as its local expert g / W, and `first` is this rank.
+// 32-bit arithmetic: P < 2^31 pairs (the launcher passes P as an int) and ids of at most E·W / S experts.
+__device__ __forceinline__ int local_expert(const i64* ids, int p, i64 first, int E, int S, int W) {
+  if (S == 1) {
+    const i64 e = ids[p] - first;
+    return e >= 0 && e < E ? (int)e : -1;
+  }
+  const i64 id = ids[p / S];
+  if (id < 0 || id >= (i64)E * W) return -1;  // no slice of this rank (and id * S stays an int)
+  const int g = (int)id * S + p % S;
+  return g % W == (int)first && g / W < E ? g / W : -1;
+}
+
+// Pairs p as above; local expert e = local_expert(p).
 // offsets[E+1]: sorted rows of expert e are offsets[e]..offsets[e+1]-1; order[row] = pair index.
 // items[0..*num_items): the GEMMs' work items (e, j0), one per `tt` tokens of an expert (experts
 // ascending): the item covers the expert's sorted rows j0 .. min(j0 + tt, count) - 1, and owns one block
@@ -35,8 +51,9 @@
 // token column of the GEMMs is computed independently. Also zeroes counters[0..ncnt) (the gemm
 // kernels' arrival counters). Dynamic smem: 2*E ints. Warp 0 scans the counts 32 experts a step
 // (shuffle prefix sums + ballot compaction) instead of one thread walking all E (3.0 -> 1.9 us, H200).
-extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int E, int tt, int* offsets,
-                                     int* order, int2* items, int* num_items, int* counters, int ncnt) {
+extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int E, int S, int W, int tt,
+                                     int* offsets, int* order, int2* items, int* num_items, int* counters,
+                                     int ncnt) {
   pdl_trigger();  // the gate/up blocks may become resident now; they wait for this grid to finish
   extern __shared__ int cnt[];  // [E] counts, then [E] cursors
   int* cur = cnt + E;
@@ -47,8 +64,8 @@ extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int 
   for (int i = threadIdx.x; i < ncnt; i += blockDim.x) counters[i] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    i64 e = topk_ids[p] - first;
-    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    const int e = local_expert(topk_ids, p, first, E, S, W);
+    if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
   if (threadIdx.x < 32) {
@@ -71,8 +88,8 @@ extern "C" __global__ void moe_route(const i64* topk_ids, int P, i64 first, int 
   }
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    i64 e = topk_ids[p] - first;
-    if (e >= 0 && e < E) order[atomicAdd(&cur[e], 1)] = p;
+    const int e = local_expert(topk_ids, p, first, E, S, W);
+    if (e >= 0) order[atomicAdd(&cur[e], 1)] = p;
   }
 }
 
@@ -266,20 +283,20 @@ __device__ __forceinline__ void load_add4(const u16* add, int H, int tok, int h,
   a[0] = bf2f(v.x & 0xffff), a[1] = bf2f(v.x >> 16), a[2] = bf2f(v.y & 0xffff), a[3] = bf2f(v.y >> 16);
 }
 
-// out[t, row0..row0+15] = bf16(add[t, rows] + Σ_s owned(t,s) topk_w[t,s] · y[t*k+s, rows]), the sum from add
-// (0 when null) in slot order.
-__device__ void combine_tile(const float* y, const i64* ids, const float* tw, i64 first, int E, int k, int T,
-                             int H, int row0, const u16* add, u16* out) {
+// out[t, row0..row0+15] = bf16(add[t, rows] + Σ_s owned(t,s) topk_w[t,s/S] · y[t*k+s, rows]), the sum from add
+// (0 when null) in slot order; k = the routing's k·S slots a token.
+__device__ void combine_tile(const float* y, const i64* ids, const float* tw, i64 first, int E, int S, int W,
+                             int k, int T, int H, int row0, const u16* add, u16* out) {
   const int tid = threadIdx.y * 32 + threadIdx.x, nthr = 32 * blockDim.y;
   for (int idx = tid; idx < T * 4; idx += nthr) {
     const int tok = idx >> 2, h = row0 + 4 * (idx & 3);
     float a[4];
     load_add4(add, H, tok, h, a);
     for (int s = 0; s < k; ++s) {
-      const i64 p = (i64)tok * k + s, e = ids[p] - first;
-      if (e < 0 || e >= E) continue;
-      const float w = tw[p];
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(y + p * H + h));
+      const int p = tok * k + s;
+      if (local_expert(ids, p, first, E, S, W) < 0) continue;
+      const float w = tw[p / S];
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(y + (i64)p * H + h));
       a[0] += w * v.x, a[1] += w * v.y, a[2] += w * v.z, a[3] += w * v.w;
     }
     *reinterpret_cast<uint2*>(out + (i64)tok * H + h) = make_uint2(pack_bf16x2(a[0], a[1]), pack_bf16x2(a[2], a[3]));
@@ -356,9 +373,9 @@ __device__ __forceinline__ void block_sum(void* smem, const float (&acc)[MT][NT]
     const u16* __restrict__ S1, const u16* __restrict__ B, int K, int N, int k_route, int P, const int* offsets,       \
     const int* order, const int2* items, const int* num_items, void* out, float* part, int* counters, int slots,    \
     int smax, int split_force, const i64* ids, const float* tw, u16* final_out, const u16* add, i64 first, int E,    \
-    int T, int fuse, int tpb_max
+    int S, int W, int T, int fuse, int tpb_max
 #define GEMM_ARGS W0, S0, W1, S1, B, K, N, k_route, P, offsets, order, items, num_items, out, part, counters,          \
-    slots, smax, split_force, ids, tw, final_out, add, first, E, T, fuse, tpb_max
+    slots, smax, split_force, ids, tw, final_out, add, first, E, S, W, T, fuse, tpb_max
 
 // The body of moe_gemm for na work items, (e, j0) = items[blockIdx.y]: expert e's sorted rows j0 ..
 // j0 + 8·NT - 1 (those it has), one weight pass.
@@ -371,7 +388,7 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
     if (MODE == 1 && fuse && na == 0 && blockIdx.y == 0) {
       if (add != nullptr) pdl_wait();  // add's producer may be a PDL predecessor
       for (int m = 0; m < MT; ++m)
-        combine_tile(nullptr, ids, tw, first, E, k_route, T, N, blockIdx.x * RT + 16 * m, add, final_out);
+        combine_tile(nullptr, ids, tw, first, E, S, W, k_route, T, N, blockIdx.x * RT + 16 * m, add, final_out);
     }
     return;
   }
@@ -455,8 +472,8 @@ __device__ __forceinline__ void gemm_block(GEMM_PARAMS, int na, int e, int j0) {
       const int tile = blockIdx.x * tpb + gi;
       if (arrive_last(&counters[tile], na))
         for (int m = 0; m < MT; ++m)
-          combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, k_route, T, N, tile * RT + 16 * m,
-                       add, final_out);
+          combine_tile(reinterpret_cast<const float*>(out), ids, tw, first, E, S, W, k_route, T, N,
+                       tile * RT + 16 * m, add, final_out);
     }
 }
 
@@ -478,22 +495,261 @@ __global__ void __launch_bounds__(256, OCC) moe_gemm(GEMM_PARAMS) {
     gemm_block<MODE, NT, DMT == 0 ? 1 : DMT, ST>(GEMM_ARGS, na, item.x, item.y);
 }
 
-// out[t] = bf16(add[t] + Σ_s owned(t,s) topk_w[t,s] · y[t*k+s]), the sum from add (0 when null) in slot
-// order; tokens with no local expert get add. Grid (T, ceil(H / 1024)); block 128; 8 outputs per thread.
-// Requires H % 8 == 0.
+// ---- Down over the concatenated K of every local item, one token tile of 8 per block ----
+// out[t, h] = bf16(add[t, h] + Σ_items w(item, t) · Σ_k down_e(item)[h, k] · act(item, t)[k]): one GEMM whose K runs
+// over the items' I-chunks back to back and whose 8 columns are the tokens of one token tile (an item's act row
+// for token t, or zeros where t does not route to it). Each item's router weight scales its products in fp32,
+// with the group scale. Work units stay long when the items are short (expert slices: K = I/S), and there is
+// no per-pair y and no combine pass. Grid (tiles · ntt, zmax), block (32, NW): blockIdx.x = row tile · ntt +
+// token tile, so a row tile's token tiles run side by side and share its weights through L2. A block keeps
+// the items with a token in its tile (in item order: the sums' order is fixed), and block z of them takes
+// the chunks c = z·NW + warp + j·Z·NW of their nc·CPI chunks (Z from na on the device; blocks z >= Z exit).
+// Z > 1: fp32 partials part[z][t][h], summed in z order by the tile's last block. Needs K % 128 == 0 and
+// na <= cap (the table rows in shared memory). Items hold up to tt rows of one expert (moe_route's tt).
+struct CatTables {  // in shared memory after the ring, cap rows each
+  int* e;           // kept item -> local expert
+  int (*row)[8];    // kept item, token column -> act row; -1: the token does not route to it
+  float (*w)[8];    // kept item, token column -> router weight (0 where row is -1)
+  int* n;           // the number of kept items
+};
+
+template <int MT, int ST>
+struct CatRing {  // WeightRing over a concatenated chunk list: each issue addresses its own item's matrix
+  const u32* W;
+  const u16* Sc;
+  const int* etab;
+  i64 rowN[MT];
+  int ci, stride, cpi, KW, KG, N;
+  u32 ring_sh, st_issue, cp_w, cp_s, lw, ls;
+
+  __device__ __forceinline__ void init(Stage<MT>* ring, const u32* W_, const u16* S_, const int* e, int row0,
+                                       int first, int stride_, int cpi_, int K, int N_) {
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    W = W_, Sc = S_, etab = e, ci = first, stride = stride_, cpi = cpi_, KW = K / 8, KG = K / 32, N = N_;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) rowN[m] = row0 + 16 * m;
+    lw = g * CG * 4 + t * 4, ls = (lane & 15) * CG;
+    ring_sh = st_issue = smem_addr(ring);
+    cp_w = (g * ROWW + t * 4) * 4, cp_s = 16 * ROWW * 4 * MT + (lane & 15) * CG * 2;
+  }
+  __device__ __forceinline__ void issue() {
+    const int lane = threadIdx.x, it = ci / cpi, kc = ci - it * cpi;
+    const i64 e = etab[it];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const u32* ws = W + (e * N + rowN[m]) * KW + kc * TILE_CW + lw;
+      const u16* ss = Sc + (e * N + rowN[m]) * KG + kc * TILE_CS + ls;
+      const u32 dst = st_issue + m * 16 * ROWW * 4 + cp_w;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(ws));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 8 * ROWW * 4), "l"(ws + 8 * CG * 4));
+      if (lane < 16)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(st_issue + cp_s + m * 16 * CG * 2), "l"(ss));
+    }
+    ci += stride;
+    st_issue = st_issue + sizeof(Stage<MT>) == ring_sh + ST * sizeof(Stage<MT>) ? ring_sh : st_issue + sizeof(Stage<MT>);
+  }
+};
+
+// This lane's 16-byte pieces of token column g's act for chunk c (zeros where g does not route to the chunk's item).
+__device__ __forceinline__ void cat_load_x(const CatTables& tb, const u16* act, int K, int cpi, int c, int g, int t,
+                                           uint4 (&xc)[CG]) {
+  const int it = c / cpi, kc = c - it * cpi, row = tb.row[it][g];
+#pragma unroll
+  for (int q = 0; q < CG; ++q)
+    xc[q] = row < 0 ? make_uint4(0, 0, 0, 0) : ld_after_wait(act + (i64)row * K + kc * 128 + 8 * t + q * 32);
+}
+
+// Rows [off, off + n) of item i: its expert's rows from item.y, at most tt.
+__device__ __forceinline__ int2 cat_item_rows(const int2* items, const int* offsets, int i, int tt) {
+  const int2 item = items[i];
+  const int off = offsets[item.x] + item.y;
+  return make_int2(off, min(tt, offsets[item.x + 1] - off));
+}
+
+// The block's tables: the items with a token in tokens [tok0, tok0 + 8), kept in item order (warp 0's ballot scan:
+// the chunk order, and so every sum's order, depends on the routing only), their experts, act rows and weights.
+__device__ __forceinline__ void cat_tables(CatTables& tb, int* kept, const int2* items, int na, int tt,
+                                           const int* offsets, const int* order, int k_route, const float* tw, int S,
+                                           int tok0) {
+  const int tid = threadIdx.y * 32 + threadIdx.x, nthr = 32 * blockDim.y, lane = threadIdx.x;
+  if (threadIdx.y == 0) {
+    int nk = 0;
+    for (int base = 0; base < na; base += 32) {
+      bool mine = false;
+      if (base + lane < na) {
+        const int2 r = cat_item_rows(items, offsets, base + lane, tt);
+        for (int j = 0; j < r.y && !mine; ++j) mine = (unsigned)(order[r.x + j] / k_route - tok0) < 8u;
+      }
+      const unsigned m = __ballot_sync(0xFFFFFFFFu, mine);
+      if (mine) kept[nk + __popc(m & ((1u << lane) - 1))] = base + lane;
+      nk += __popc(m);
+    }
+    if (lane == 0) *tb.n = nk;
+  }
+  __syncthreads();
+  const int nk = *tb.n;
+  for (int i = tid; i < nk * 8; i += nthr) tb.row[i >> 3][i & 7] = -1, tb.w[i >> 3][i & 7] = 0.f;
+  for (int i = tid; i < nk; i += nthr) tb.e[i] = items[kept[i]].x;
+  __syncthreads();
+  for (int i = tid; i < nk * tt; i += nthr) {  // kept item i / tt's (i % tt)-th row
+    const int2 r = cat_item_rows(items, offsets, kept[i / tt], tt);
+    const int j = i % tt;
+    if (j < r.y) {
+      const int p = order[r.x + j], col = p / k_route - tok0;
+      if ((unsigned)col < 8u) tb.row[i / tt][col] = r.x + j, tb.w[i / tt][col] = tw[p / S];
+    }
+  }
+  __syncthreads();
+}
+
+// out = add for the tile's tokens: no local item has a token in it.
+__device__ __forceinline__ void cat_copy_add(const u16* add, u16* out, int T, int N, int row0, int RT, int tok0) {
+  const int tid = threadIdx.y * 32 + threadIdx.x, cols = min(8, T - tok0);
+  pdl_wait();
+  for (int idx = tid; idx < cols * RT; idx += 32 * blockDim.y) {
+    const i64 h = (i64)(tok0 + idx / RT) * N + row0 + idx % RT;
+    out[h] = add == nullptr ? (u16)0 : add[h];
+  }
+}
+
+template <int MT, int ST>
+__device__ __forceinline__ void cat_mma(const CatTables& tb, u32 st_use, int it, const uint4 (&xc)[CG],
+                                        float (&acc)[MT][4]) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const u32 lm = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROWW * 4 + (lane >> 4) * 16;
+  const float w0 = tb.w[it][2 * t], w1 = tb.w[it][2 * t + 1];
+  u32 wr[MT][2][4];
+  uint2 sc[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const u32 wb = st_use + m * 16 * ROWW * 4 + lm, sb = st_use + 16 * ROWW * 4 * MT + m * 16 * CG * 2;
+    ldsm4(wr[m][0], wb);
+    ldsm4(wr[m][1], wb + 32);
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][0].x), "=r"(sc[m][0].y) : "r"(sb + g * CG * 2));
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][1].x), "=r"(sc[m][1].y) : "r"(sb + (g + 8) * CG * 2));
+  }
+  u32 b[CG][4];
+#pragma unroll
+  for (int q = 0; q < CG; ++q) {
+    const uint4 r = xc[q];
+    b[q][0] = __byte_perm(r.x, r.z, 0x5410), b[q][1] = __byte_perm(r.x, r.z, 0x7632);
+    b[q][2] = __byte_perm(r.y, r.w, 0x5410), b[q][3] = __byte_perm(r.y, r.w, 0x7632);
+  }
+#pragma unroll
+  for (int q = 0; q < CG; ++q)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      u32 lo[4], hi[4];
+      dequant(wr[m][q >> 1][2 * (q & 1)], lo);
+      dequant(wr[m][q >> 1][2 * (q & 1) + 1], hi);
+      const u32 s0 = (q >> 1) ? sc[m][0].y : sc[m][0].x, s1 = (q >> 1) ? sc[m][1].y : sc[m][1].x;
+      const float slo = __uint_as_float((q & 1) ? s0 & 0xFFFF0000u : s0 << 16);
+      const float shi = __uint_as_float((q & 1) ? s1 & 0xFFFF0000u : s1 << 16);
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_bf16(d, lo[0], hi[0], lo[1], hi[1], b[q][0], b[q][1]);
+      mma_bf16(d, lo[2], hi[2], lo[3], hi[3], b[q][2], b[q][3]);
+      acc[m][0] += slo * w0 * d[0];
+      acc[m][1] += slo * w1 * d[1];
+      acc[m][2] += shi * w0 * d[2];
+      acc[m][3] += shi * w1 * d[3];
+    }
+}
+
+template <int MT, int ST>
+__global__ void __launch_bounds__(256, 2) moe_down_cat(const u32* __restrict__ W, const u16* __restrict__ Sc,
+    const u16* act, int K, int N, int k_route, const int* offsets, const int* order, const int2* items,
+    const int* num_items, int cap, int tt, float* part, int* counters, int slots, int zmax, const float* tw, int S,
+    const u16* add, u16* out, int T) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.y, NW = blockDim.y, lane = threadIdx.x, tid = warp * 32 + lane;
+  const int RT = 16 * MT, ntt = (T + 7) / 8, tiles = N / RT, row0 = (blockIdx.x / ntt) * RT;
+  const int tok0 = (blockIdx.x % ntt) * 8, cols = min(8, T - tok0);
+  const int na = *num_items, cpi = K / (32 * CG);
+  // K-split blocks per tile from the mean items per token tile: every block of a tile agrees before its scan
+  const int Z = min(zmax, max(1, min((na + ntt - 1) / ntt * cpi / (2 * NW), (slots + tiles * ntt - 1) / (tiles * ntt))));
+  if ((int)blockIdx.y >= Z) return;
+  unsigned char* tabs = smem + NW * ST * sizeof(Stage<MT>);
+  CatTables tb{reinterpret_cast<int*>(tabs), reinterpret_cast<int(*)[8]>(tabs + 4 * cap),
+               reinterpret_cast<float(*)[8]>(tabs + 36 * cap), reinterpret_cast<int*>(tabs + 68 * cap)};
+  cat_tables(tb, tb.n + 1, items, na, tt, offsets, order, k_route, tw, S, tok0);
+  const int C = *tb.n * cpi;
+  if (C == 0) {
+    if (blockIdx.y == 0) cat_copy_add(add, out, T, N, row0, RT, tok0);
+    return;
+  }
+  const int slot = blockIdx.y * NW + warp, stride = Z * NW;
+  const int nch = slot < C ? (C - slot + stride - 1) / stride : 0;
+  Stage<MT>* ring = reinterpret_cast<Stage<MT>*>(smem) + warp * ST;
+  CatRing<MT, ST> cring;
+  cring.init(ring, W, Sc, tb.e, row0, slot, stride, cpi, K, N);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {  // the weights depend on moe_route's items only: in flight before the wait
+    if (s < nch) cring.issue();
+    cp_async_commit();
+  }
+  pdl_wait();  // gate/up has written act
+  float acc[MT][4] = {};
+  uint4 xc[CG];
+  if (nch > 0) cat_load_x(tb, act, K, cpi, slot, lane >> 2, lane & 3, xc);
+  u32 st_use = cring.ring_sh;
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait<ST - 2>();
+    __syncwarp();
+    if (c + ST - 1 < nch) cring.issue();
+    cp_async_commit();
+    const int chunk = slot + c * stride;
+    const uint4 xnow[CG] = {xc[0], xc[1], xc[2], xc[3]};
+    if (c + 1 < nch) cat_load_x(tb, act, K, cpi, chunk + stride, lane >> 2, lane & 3, xc);  // one chunk ahead
+    cat_mma<MT, ST>(tb, st_use, chunk / cpi, xnow, acc);
+    st_use = st_use + sizeof(Stage<MT>) == cring.ring_sh + ST * sizeof(Stage<MT>) ? cring.ring_sh
+                                                                                    : st_use + sizeof(Stage<MT>);
+  }
+  cp_async_wait<0>();
+  float accn[MT][1][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) accn[m][0][i] = acc[m][i];
+  block_sum<MT, 1>(smem, accn, 1, NW, [&](int, int, int l, const float (&v)[MT][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 2 * (l & 3) + (i & 1), row = row0 + (l >> 2) + 8 * (i >> 1);
+      if (j >= cols) continue;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const i64 h = (i64)(tok0 + j) * N + row + 16 * m;
+        if (Z == 1)
+          out[h] = f2bf((add == nullptr ? 0.f : bf2f(add[h])) + v[m][i]);
+        else
+          part[(i64)blockIdx.y * T * N + h] = v[m][i];
+      }
+    }
+  });
+  if (Z > 1 && arrive_last(&counters[blockIdx.x], Z))
+    for (int idx = tid; idx < cols * RT; idx += 32 * NW) {  // Σ partials in z order, then add
+      const i64 h = (i64)(tok0 + idx / RT) * N + row0 + idx % RT;
+      float sum = 0.f;
+      for (int z = 0; z < Z; ++z) sum += __ldcg(&part[(i64)z * T * N + h]);
+      out[h] = f2bf((add == nullptr ? 0.f : bf2f(add[h])) + sum);
+    }
+}
+
+// out[t] = bf16(add[t] + Σ_s owned(t,s) topk_w[t,s/S] · y[t*k+s]), the sum from add (0 when null) in slot
+// order (k = the routing's k·S); tokens with no local expert get add. Grid (T, ceil(H / 1024)); block 128;
+// 8 outputs per thread. Requires H % 8 == 0.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const i64* __restrict__ topk_ids,
-                                       const float* __restrict__ topk_w, i64 first, int E, int k, int H,
-                                       const u16* __restrict__ add, u16* __restrict__ out) {
+                                       const float* __restrict__ topk_w, i64 first, int E, int S, int W, int k,
+                                       int H, const u16* __restrict__ add, u16* __restrict__ out) {
   const int tok = blockIdx.x, h = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
   if (h >= H) return;
   float acc[8];
   load_add4(add, H, tok, h, acc);
   load_add4(add, H, tok, h + 4, acc + 4);
   for (int s = 0; s < k; ++s) {
-    const i64 p = (i64)tok * k + s, e = topk_ids[p] - first;
-    if (e < 0 || e >= E) continue;
-    const float w = topk_w[p];
-    const float4* src = reinterpret_cast<const float4*>(y + p * H + h);
+    const int p = tok * k + s;
+    if (local_expert(topk_ids, p, first, E, S, W) < 0) continue;
+    const float w = topk_w[p / S];
+    const float4* src = reinterpret_cast<const float4*>(y + (i64)p * H + h);
     const float4 a = src[0], b = src[1];
     acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
     acc[4] += w * b.x, acc[5] += w * b.y, acc[6] += w * b.z, acc[7] += w * b.w;

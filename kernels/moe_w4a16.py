@@ -11,8 +11,8 @@ it; only the launch that reads `add` (down with the fused combine, or moe_combin
 gate/up overlap add's producer.
 
 x: bf16 [T, H]. topk_ids: int64 [T, k] global expert ids. topk_weights: fp32 [T, k] (router weights,
-already renormalized and scaled). experts: this rank's `ExpertStack` (duck-typed: `.first` and
-`.gate_proj/.up_proj/.down_proj`, each with `.packed`, `.scale` and `.tiled`):
+already renormalized and scaled). experts: this rank's `ExpertStack` (duck-typed: `.first`, `.slices`, `.rank`,
+`.world` and `.gate_proj/.up_proj/.down_proj`, each with `.packed`, `.scale` and `.tiled`):
 
     gate_proj/up_proj.packed  int32 [E, I, H/8]   word j of a row = inputs 8j..8j+7, input 8j+i in bits
     down_proj.packed          int32 [E, H, I/8]   [4i, 4i+3] (LSB first), nibble = q + 8, q in [-8, 7]
@@ -22,14 +22,20 @@ The kernel reads each matrix in the tiled order (`.tiled`, verifier_service/int4
 shapes and words, each 16-row tile's 128-input chunks stored contiguously (1 KB of words, 128 B of scales),
 made once at load (the loader tiles as it reads; `Int4Weight.tile` for others). The reference reads either.
 
-Pairs routed to experts outside [first, first + E) contribute 0 (expert parallelism: ranks sum).
+Pairs routed to experts outside [first, first + E) contribute 0 (expert parallelism: ranks sum). With
+`slices` S > 1 each expert is cut into S slices of I/S intermediate rows (gate/up rows, down columns; SwiGLU is
+per row, so the slices' down outputs sum to the expert's): global slice g = e·S + s is local expert g // world of
+rank g % world, and a token's k experts are k·S pairs, each weighted by its expert's router weight.
 Kernel: fp32 accumulation; gate/up/SiLU in fp32, act rounded to bf16 once; output bf16.
 Requires H % 128 == 0 and I % 128 == 0 (K is streamed in 128-input chunks); ldmatrix hands each lane its
 word of a 16-byte group piece.
 Launches: moe_route (pairs grouped by local expert into work items of up to 8·NT tokens each: an expert
 with more tokens gets several items, which run in parallel block rows and read its weights from DRAM
 about once), gate/up, down (+ combine fused into its last block per 16-row output tile when
-T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. With `PDL` (on by default) moe_route
+T <= FUSE_COMBINE_T), and a separate moe_combine only for larger T. With expert slices (`DOWN_CAT`, up to
+CAT_MAX_T tokens) down and combine are one moe_down_cat instead: a GEMM per output tile over the concatenated
+K of every local item, each product weighted by its token's router weight (the sliced items' K = I/S is too
+short a work unit for moe_gemm's down). With `PDL` (on by default) moe_route
 and the two GEMMs use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
 moe_route waits for the router's ids after zeroing its shared counts, gate/up waits for moe_route at its
 start, down streams its first weight stages before it waits for act.
@@ -53,7 +59,7 @@ CODE = "moe_w4a16.cu"
 # moe_gemm<MODE, NT, OCC, DMT, ST>: every kernel with 3 stages; with 2, those of one token tile (T <= STAGES_FEW_T)
 _GEMMS_1T = ("0, 1, 2, 1", "1, 1, 2, 1", "1, 1, 4, 1", "1, 1, 2, 2", "1, 1, 2, 0")  # one token tile (NT = 1)
 NAMES = ("moe_route", *(f"moe_gemm<{m}, 3>" for m in (*_GEMMS_1T, "0, 2, 2, 1", "1, 2, 2, 1", "1, 2, 2, 2")),
-         *(f"moe_gemm<{m}, 2>" for m in _GEMMS_1T), "moe_combine")
+         *(f"moe_gemm<{m}, 2>" for m in _GEMMS_1T), "moe_combine", "moe_down_cat<2, 2>", "moe_down_cat<2, 3>")
 CHUNK = 128  # inputs per chunk: must match the .cu (32 * CG)
 # cp.async stages per warp (ST): 3; 2 up to STAGES_FEW_T tokens. H200, tiled weights: 3 beats 4 by 1-3 % and 5 loses
 # 2-5 % (session 19); 2 gains 1-3 % at 1-8 experts with few tokens but loses 1-2 % at 55 experts and routed 16-64 rows.
@@ -90,6 +96,14 @@ FUSE_COMBINE_T = 64  # up to this many tokens the down kernel's last block per t
 # routing flips (rows 8 and 16 of that test chose another 8th expert than fp32; the kernels matched
 # fp32 on every row with PDL on and off, bit-identical).
 PDL = True
+# The down GEMM over the concatenated K of every local item (moe_down_cat): "slices" for sliced experts only (K = I/S:
+# moe_gemm's per-item work units are short there), True always, False never. H100, slowest of 7 ranks, whole
+# experts: moe_down_cat gains 4-5 % of the MoE at 4-8 tokens, but loses 18 % at 16 tokens routed alike (each token
+# tile reads the experts again) and 7 % at 32 (session 43).
+DOWN_CAT = "slices"
+CAT_ZMAX = 8  # most K-split blocks per output tile
+CAT_MAX_TABLES = 40 << 10  # its shared item tables (72 B per item): two blocks of 8 warps, 3 stages, fit an SM
+CAT_MAX_T = 64  # above, moe_gemm's down (H100, 4 slices, slowest rank: moe_down_cat 1452 us at 256 tokens)
 
 
 def _stage_bytes(mt: int) -> int:
@@ -118,21 +132,27 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         _wait(add_ready)
         return out.zero_() if add is None else out.copy_(add)
     ker = get_kernels(cuda_source(CODE), NAMES)
-    dev, P = x.device, T * k
+    S, W = getattr(experts, "slices", 1), getattr(experts, "world", 1)
+    first = np.int64(experts.first if S == 1 else experts.rank)  # the kernels' `first`: the rank when S > 1
+    dev, P, k = x.device, T * k * S, k * S  # pairs (t, j, s) = slice s of token t's j-th expert
     nt = 1 if T <= NT1_MAX_T else 2  # token tiles of 8 per weight pass: a pass streams the expert's weights once
     # work items (one per 8·nt tokens of an expert): at most one per expert with pairs plus one per 8·nt pairs
-    blocks_y = min(P, min(E, P) + P // (8 * nt))
+    # local pairs: every pair whole; with slices at most ceil(S / W) of an expert's S slices are this rank's
+    local = P if S == 1 else T * topk_ids.shape[1] * -(-S // W)
+    blocks_y = min(local, min(E, local) + local // (8 * nt))
     smax = max(SPLIT or 1, SPLIT_MAX if P <= SPLIT_MAX_P else 1)
     fuse = T <= FUSE_COMBINE_T
     # items (e, first row) pairs first (8-byte aligned), then offsets, the item count, order, and the arrival
     # counters (gate/up tiles, then down tiles)
-    sizes = (2 * blocks_y, E + 1, 1, P, blocks_y * (I // 16) + H // 16)
+    cat = ((DOWN_CAT is True or (DOWN_CAT == "slices" and S > 1))
+           and T <= CAT_MAX_T and 72 * blocks_y + 4 <= CAT_MAX_TABLES)
+    down_cnt = max(H // 16, H // 32 * -(-T // 8)) if cat else H // 16  # moe_down_cat: one per row and token tile
+    sizes = (2 * blocks_y, E + 1, 1, P, blocks_y * (I // 16) + down_cnt)
     items, offsets, num_items, order, counters = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
-    y = torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
+    y = None if cat else torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
     part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
-    first = np.int64(experts.first)
-    launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, 8 * nt, offsets, order, items, num_items,
+    launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, S, W, 8 * nt, offsets, order, items, num_items,
            counters, counters.numel(), smem=8 * E, pdl=PDL)
     sms = device_limits(dev.index if dev.index is not None else torch.cuda.current_device()).sms
     gate_up_warps = GATE_UP_WARPS_FEW if T <= GATE_UP_FEW_T else GATE_UP_WARPS
@@ -142,6 +162,11 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     gate_cnt = blocks_y * (I // 16)
     for mode, (w0, w1, kdim, n, b, dst, nw, z) in enumerate((
             (gate, up, H, I, x, act, gate_up_warps, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
+        if mode == 1 and cat:
+            _wait(add_ready)
+            _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, blocks_y, 8 * nt,
+                      counters[gate_cnt:], 2 * slots[1], topk_weights, S, add, out, st)
+            return out
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         if mode == 1:
             _wait(add_ready)
@@ -149,12 +174,27 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         launch(ker[f"moe_gemm<{mode}, {nt}, {occ}, {mt}, {st}>"], (n // (16 * max(mt, 1)), blocks_y, z), (32, nw),
                w0.packed, w0.scale, w1.packed, w1.scale, b, kdim, n, k, P, offsets, order, items, num_items,
                dst, part, counters if mode == 0 else counters[gate_cnt:], slots[mode], smax, SPLIT or 0,
-               topk_ids, topk_weights, out, add, first, E, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
+               topk_ids, topk_weights, out, add, first, E, S, W, T, int(fuse), GATE_UP_TPB if mode == 0 else DOWN_TPB,
                smem=nw * st * _stage_bytes(2 if mode == 0 else mt or 2), pdl=PDL)
     if not fuse:
         _wait(add_ready)  # again, a plain edge: down's blocks without work exit without waiting for add
-        launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, k, H, add, out)
+        launch(ker["moe_combine"], (T, -(-H // 1024)), 128, y, topk_ids, topk_weights, first, E, S, W, k, H, add,
+               out)
     return out
+
+
+def _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, cap, tt, counters, slots, topk_weights, S,
+              add, out, st) -> None:
+    """moe_down_cat: out = add + Σ over local items of w · down(act), one GEMM over the items' chunks per token
+    tile of 8 (see the .cu); `cap` bounds the items, `tt` is the most rows an item holds."""
+    H, I = x.shape[1], act.shape[1]
+    tiles = H // 32 * -(-T // 8)  # row tiles x token tiles
+    zmax = min(CAT_ZMAX, -(-slots // tiles))  # the kernel's Z never exceeds it
+    part = torch.empty(zmax * T * H if zmax > 1 else 1, dtype=torch.float32, device=x.device)
+    tables = 72 * cap + 4  # CatTables: e, row [8], w [8], the count, then the kept item ids
+    launch(ker[f"moe_down_cat<2, {st}>"], (tiles, zmax), (32, DOWN_WARPS), down.packed, down.scale, act, I, H, k,
+           offsets, order, items, num_items, cap, tt, part, counters, slots, zmax, topk_weights, S, add, out, T,
+           smem=DOWN_WARPS * st * _stage_bytes(2) + tables, pdl=PDL)
 
 
 def _wait(event: torch.cuda.Event | None) -> None:
@@ -175,7 +215,9 @@ def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         q = ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2).float() - 8  # [out, in]
         return q * scale.float().repeat_interleave(32, dim=-1)
 
-    local = topk_ids - experts.first  # [T, k]
+    from verifier_service.moe import local_pairs  # the slices' placement
+
+    local, weights = local_pairs(topk_ids, topk_weights, experts)  # [T, k·S], -1: another rank's
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for e in range(experts.gate_proj.packed.shape[0]):
         tok, slot = torch.where(local == e)  # [n], [n]
@@ -184,5 +226,6 @@ def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         h = x[tok].float()  # [n, H]
         act = torch.nn.functional.silu(h @ dequant(experts.gate_proj, e).T) * (h @ dequant(experts.up_proj, e).T)
         y = act @ dequant(experts.down_proj, e).T  # [n, H]
-        out.index_add_(0, tok, y * topk_weights[tok, slot, None])
+        out.index_add_(0, tok, y * weights[tok, slot, None])
     return (out if add is None else out + add.float()).to(x.dtype)
+

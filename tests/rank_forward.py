@@ -2,6 +2,7 @@
 run as N processes with torchrun-style env vars; rank 0 writes fp32 logits to argv[3].
 
     RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/rank_forward.py MODEL N OUT [split] [cuda]
+        [slices=S]
 
 MODEL: a checkpoint directory, or `synthetic:PRESET` (random weights, `--synthetic PRESET`).
 """
@@ -32,10 +33,11 @@ def main() -> int:
     model, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     split = "split" in sys.argv[4:]
     device = "cuda" if "cuda" in sys.argv[4:] else "cpu"
+    slices = next((int(a.split("=")[1]) for a in sys.argv[4:] if a.startswith("slices=")), 1)
     info = ranks.RankInfo.from_env()
     source = dict(synthetic=model.split(":", 1)[1]) if model.startswith("synthetic:") else dict(model=model)
     config = VerifierConfig(**source, world_size=world, kv_cache_mb=4, page_size=16, dtype="float32",
-                            split_replicated=split, device=device)
+                            split_replicated=split, device=device, expert_slices=slices)
     runner = Runner(config, info if world > 1 else None)
     if runner.info.rank > 0:
         ranks.worker_loop(runner, runner.control)

@@ -151,6 +151,62 @@ def test_moe_w4a16_many_local_experts(T, E):
     assert_close(moe_w4a16(x, ids, w, experts), moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
+@pytest.mark.parametrize("S,world", [(2, 7), (4, 7), (8, 7), (4, 3)])
+@pytest.mark.parametrize("T", [1, 5, 16, 32, 40, 100])
+@pytest.mark.parametrize("down_cat", ["slices", False])  # the down GEMM: moe_down_cat, or moe_gemm per item
+def test_moe_w4a16_expert_slices(T, S, world, down_cat, monkeypatch):
+    """Experts cut into S slices dealt over the ranks (verifier_service.moe.ExpertShard): the ranks' kernel outputs
+    sum to the fp32 reference of the whole experts (an independent layout: whole matrices, one rank). T = 100
+    takes the separate combine; S = 8 puts two slices of some experts on one rank."""
+    from verifier_service.int4 import Int4Weight
+    from verifier_service.moe import ExpertShard, ExpertStack, cut_experts
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "DOWN_CAT", down_cat)
+    n, H, I, k = 24, 512, 1024, 8
+    full = random_experts(n, H, I, seed=T + S)
+    whole = ExpertStack(Int4Weight(full.gate_proj.packed, full.gate_proj.scale, (I, H), True),
+                        Int4Weight(full.up_proj.packed, full.up_proj.scale, (I, H), True),
+                        Int4Weight(full.down_proj.packed, full.down_proj.scale, (H, I), True), 0)
+    g = torch.Generator("cuda").manual_seed(T)
+    ids = torch.stack([torch.randperm(n, generator=g, device="cuda")[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g, device="cuda")
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    poison_allocator()
+    parts = [moe_w4a16(x, ids, w, cut_experts(whole, ExpertShard(r, world, S))).float() for r in range(world)]
+    # each rank rounds its partial sum to bf16 once: ~3e-3 relative, as one rank of whole experts
+    assert_close(sum(parts), moe_w4a16_ref(x, ids, w, whole).float(), rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("with_add", [False, True])
+# n_ids 200: mostly not ours; 9: most of a token's experts are ours, and past 8 tokens an expert's rows span
+# several items and token tiles
+@pytest.mark.parametrize("T,n_ids", [(1, 24), (3, 24), (8, 24), (8, 9), (5, 200), (16, 24), (17, 9), (32, 9),
+                                     (29, 200)])
+def test_moe_w4a16_down_cat(T, n_ids, with_add, monkeypatch):
+    """moe_down_cat (DOWN_CAT True) on whole experts: the down GEMM over every local item's chunks at once per token
+    tile, router weights applied per item in fp32, `add` summed, tokens with no local expert get `add` (or 0)."""
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "DOWN_CAT", True)
+    E, first, k = 12, 5, 8
+    experts = random_experts(E, 512, 256, first=first, seed=T + n_ids)
+    g = torch.Generator("cuda").manual_seed(T + n_ids)
+    ids = torch.stack([torch.randperm(n_ids, generator=g, device="cuda")[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g, device="cuda")
+    x = torch.randn(T, 512, generator=g, device="cuda").bfloat16()
+    add = torch.randn(T, 512, generator=g, device="cuda").bfloat16() if with_add else None
+    poison_allocator()
+    out = moe_w4a16(x, ids, w, experts, add=add)
+    ref = moe_w4a16_ref(x, ids, w, experts, add=add)
+    local = ((ids >= first) & (ids < first + E)).any(1)
+    if (~local).any():  # exactly add (or 0) where nothing is local
+        want = add[~local] if add is not None else torch.zeros_like(out[~local])
+        assert torch.equal(out[~local], want)
+    if local.any():
+        assert_close(out[local], ref[local], rel=1e-2, cos=0.9999)
+
+
 @pytest.mark.parametrize("T", [1, 17, 63, 200])
 def test_moe_w4a16_one_expert_takes_all(T):
     """n tokens on one expert: several token passes per weight tile; unowned tokens must be 0."""

@@ -69,6 +69,17 @@ def test_synthetic_split_replicated_equals_world_size_1(tmp_path):
         assert rel(got[key], ref[key]) < 1e-5, f"synthetic split {key}: rel {rel(got[key], ref[key]):.2e}"
 
 
+def test_expert_slices_equal_world_size_1(tiny_ckpt, tmp_path):
+    """`--expert-slices 2`: each rank loads half of many experts' intermediate rows from the checkpoint (and the
+    synthetic draw slices its experts the same way); the slices' outputs sum to world size 1's logits."""
+    for model in (tiny_ckpt, "synthetic:k26-mini"):
+        ref = forward_at(model, 1, tmp_path / "w1.pt")
+        for world in (2, 3):
+            got = forward_at(model, world, tmp_path / f"slices{world}.pt", "slices=2")
+            for key in ("prefill", "tree", "after_commit"):
+                assert rel(got[key], ref[key]) < 1e-5, f"{model} slices world {world} {key}: {rel(got[key], ref[key]):.2e}"
+
+
 PROMPTS = [[3, 14, 15, 92, 65], "def main():\n    return", [271, 828, 1828, 459, 45, 235, 36]]
 
 

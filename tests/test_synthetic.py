@@ -10,6 +10,7 @@ from drafter_service.synthetic import random_drafter
 from gateway.tiny_tokenizer import write_synthetic_tokenizer
 from gateway.tokenizer import KimiTokenizer
 from verifier_service.bench_verify import expected_max_experts, to_slowest_rank
+from verifier_service.moe import ExpertShard
 from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, preset_config, random_target
 from verifier_service.weights import Split
@@ -140,3 +141,19 @@ def test_slowest_routing_puts_the_most_loaded_rank_on_rank_0():
         if rows == 1:
             held.append(mine)
     assert 2.5 < sum(held) / len(held) < 2.95
+
+
+@pytest.mark.parametrize("S", [2, 4, 8])
+def test_slowest_routing_with_expert_slices(S):
+    """`--routing slowest --expert-slices S`: rank 0 holds as many touched slices as the most loaded rank, counted
+    by brute force over ExpertShard's pieces of every rank."""
+    n, world, k = 384, 7, 8
+    g = torch.Generator().manual_seed(S)
+    pieces = [set(ExpertShard(r, world, S).pieces(n)) for r in range(world)]
+    for rows in (1, 2, 16, 64) * 10:
+        ids = torch.rand(rows, n, generator=g).topk(k).indices
+        touched = {(e, s) for e in ids.unique().tolist() for s in range(S)}
+        rotated = to_slowest_rank(ids, n, world, S)
+        assert all(len(set(row)) == k for row in rotated.tolist())
+        mine = len({(e, s) for e in rotated.unique().tolist() for s in range(S)} & pieces[0])
+        assert mine == max(len(touched & p) for p in pieces)

@@ -27,6 +27,7 @@ from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service import moe as moe_module, ranks, step_trace
 from verifier_service.model import K2Model, identity
+from verifier_service.moe import ExpertShard, local_pairs
 from verifier_service.plan import SeqRows, build_plan, plan_to, tree_parents
 from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, random_target
@@ -54,6 +55,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--split-replicated", action=argparse.BooleanOptionalAction, default=True,
                    help="split the shared and dense MLPs and the lm_head over the ranks, as the verifier does by "
                         "default (--no-split-replicated: replicated on every rank)")
+    p.add_argument("--expert-slices", type=int, default=VerifierConfig.expert_slices,
+                   help="routed experts cut into this many slices dealt over the ranks (the verifier's flag)")
     p.add_argument("--routing", default="model", choices=("model", "uniform", "slowest"),
                    help="model: the synthetic router's choice; uniform: its cost, but uniform random top-k ids (this "
                         "rank then holds the mean rank's load); slowest: the same draws, each rotated so that this "
@@ -159,26 +162,35 @@ def time_step(model: K2Model, plan, host_plan, kv: torch.Tensor, graphs: GraphRu
     return eager, time_ms(lambda: graphs.forward(host_plan, ()), iters)
 
 
-def to_slowest_rank(ids: torch.Tensor, n: int, world: int) -> torch.Tensor:
-    """Expert ids [rows, k] rotated (mod n, a bijection) so that rank 0's contiguous range holds the experts of the
-    rank with the most distinct touched experts: rank 0 then carries the load a served step waits for (one expert
-    more at most, when that rank's range is shorter than rank 0's)."""
-    owner = expert_owners(n, world, ids.device)[ids.unique()]
-    slowest = int(torch.bincount(owner, minlength=world).argmax())
-    return (ids - split_range(n, slowest, world).start) % n
+def to_slowest_rank(ids: torch.Tensor, n: int, world: int, slices: int = 1) -> torch.Tensor:
+    """Expert ids [rows, k] rotated (mod n, a bijection) so that rank 0 carries the load a served step waits for.
+    Whole experts: rank 0's contiguous range then holds the experts of the rank with the most distinct touched
+    experts (one expert more at most, when that rank's range is shorter than rank 0's). `slices` S > 1 (slice
+    e·S + s on rank (e·S + s) % world, ExpertShard): the first rotation that gives rank 0 as many touched slices
+    as the most loaded rank holds in the draw (rotations do not permute the ranks' slice sets, 384·S % 7 != 0)."""
+    if slices == 1:
+        owner = expert_owners(n, world, ids.device)[ids.unique()]
+        slowest = int(torch.bincount(owner, minlength=world).argmax())
+        return (ids - split_range(n, slowest, world).start) % n
+    ar = torch.arange(slices, device=ids.device)
+    touched = ids.unique()
+    most = int(torch.bincount(((touched[:, None] * slices + ar) % world).flatten(), minlength=world).max())
+    shifted = (touched + torch.arange(n, device=ids.device)[:, None]) % n  # [rotation, touched]
+    rank0 = ((shifted[..., None] * slices + ar) % world == 0).sum((1, 2))  # rank 0's slices under each rotation
+    return (ids + int((rank0 - most).abs().argmin())) % n  # the first exact one (one always came in the tests)
 
 
 @contextlib.contextmanager
-def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0):
+def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0, slices: int = 1):
     """`--routing uniform`: each MoE layer's router still runs (its cost stays in the step), but the layer
     takes its top-k ids from a fixed uniform draw per layer and row, made here outside any graph: the
     routing the uniform floor assumes. The synthetic weights route a tree's rows almost alike.
-    `slowest_of` = N ranks (`--routing slowest`): each draw `to_slowest_rank`."""
+    `slowest_of` = N ranks (`--routing slowest`): each draw `to_slowest_rank` (experts cut into `slices`)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     draws = [torch.rand(rows, cfg.n_routed_experts, generator=g, device="cuda").topk(cfg.num_experts_per_tok).indices
              for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     if slowest_of > 1:
-        draws = [to_slowest_rank(d, cfg.n_routed_experts, slowest_of) for d in draws]
+        draws = [to_slowest_rank(d, cfg.n_routed_experts, slowest_of, slices) for d in draws]
     calls, real = itertools.count(), moe_module.route
 
     def route(x, w, cfg_, use_kernel=False):
@@ -192,14 +204,16 @@ def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0):
         moe_module.route = real
 
 
-def touched_experts(model: K2Model, plan, kv: torch.Tensor, experts: range) -> float:
+def touched_experts(model: K2Model, plan, kv: torch.Tensor) -> float:
     """Mean over MoE layers of this rank's distinct experts the plan's rows route to (one eager forward with
-    the model's routing hook): the floor's expert bytes as routed, next to the uniform-routing estimate."""
-    counts: list[int] = []
+    the model's routing hook; expert slices count 1/S each): the floor's expert bytes as routed, next to the
+    uniform-routing estimate."""
+    counts: list[float] = []
 
     def observe(layer: int, ids: torch.Tensor) -> None:
-        local = ids[(ids >= experts.start) & (ids < experts.stop)]
-        counts.append(int(local.unique().numel()))
+        stack = model.weights.layers[layer].mlp.experts
+        local, _ = local_pairs(ids, torch.zeros(ids.shape, device=ids.device), stack)
+        counts.append(int(local[local >= 0].unique().numel()) / stack.slices)
 
     model.on_experts = observe
     try:
@@ -227,7 +241,8 @@ def main(args) -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     cfg = k26_config(args.layers)
     rank, world, reduce, collectives = setup_ranks(args.ep_size, args.one_shot_all_reduce_kb)
-    experts = split_range(cfg.n_routed_experts, rank, world)
+    experts = (split_range(cfg.n_routed_experts, rank, world) if args.expert_slices == 1
+               else ExpertShard(rank, world, args.expert_slices))
     heads = split_range(cfg.num_attention_heads, rank, world)
     split = Split(rank, world) if args.split_replicated else None
     weights = random_target(cfg, experts=experts, heads=heads, split=split)  # same seed: ranks agree
@@ -245,9 +260,10 @@ def main(args) -> int:
         cache.table.extend(f"s{i}", args.prefix)
     cache.kv.normal_()
     bw = copy_bandwidth()
+    held = len(experts) if isinstance(experts, range) else len(experts.pieces(cfg.n_routed_experts)) / experts.slices
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
-        f"{len(experts)} experts, {len(heads)} heads, {layout}, {args.sessions} session(s) of prefix {args.prefix}, "
+        f"{held:g} experts' worth, {len(heads)} heads, {layout}, {args.sessions} session(s) of prefix {args.prefix}, "
         f"{args.routing} routing; copy {bw / 1e9:.0f} GB/s")
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} "
         f"{'graph/floor':>11} {'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
@@ -256,13 +272,13 @@ def main(args) -> int:
     for rows in [int(x) for x in args.tree_sizes.split(",")]:
         plan = tree_plan(cache, rows, cfg.vocab_size, rng, args.max_context, args.sessions)
         host_plan = plan_to(plan, "cpu")
-        drawn = (uniform_routing(cfg, rows * args.sessions, slowest_of=world if args.routing == "slowest" else 0)
-                 if args.routing != "model" else contextlib.nullcontext())
+        drawn = (uniform_routing(cfg, rows * args.sessions, slowest_of=world if args.routing == "slowest" else 0,
+                                 slices=args.expert_slices) if args.routing != "model" else contextlib.nullcontext())
         with drawn:
             eager, replay = time_step(fast, plan, host_plan, cache.kv, graphs, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
-            touched = touched_experts(fast, plan, cache.kv, experts)
-        shape = (cfg, args.layers, len(experts), len(heads), rows * args.sessions, args.prefix * args.sessions)
+            touched = touched_experts(fast, plan, cache.kv)
+        shape = (cfg, args.layers, held, len(heads), rows * args.sessions, args.prefix * args.sessions)
         shards = world if split else 1
         floor = 1e3 * floor_bytes(*shape, split=shards) / bw
         routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw

@@ -19,6 +19,7 @@ from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.model import ForwardOutput, K2Model, TargetWeights, identity
 from verifier_service.model_config import K2Config
+from verifier_service.moe import ExpertShard
 from verifier_service.plan import BatchPlan, PackedPlan, SeqRows, build_plan, chain_parents, packed_of, plan_to
 from verifier_service.synthetic import preset_config, random_target
 from verifier_service.weights import Split, expert_range, load_target_weights
@@ -79,10 +80,12 @@ class Runner:
         rank, world = self.info.rank, self.info.world_size
         if not config.synthetic:
             return load_target_weights(config.model, self.cfg, dtype=self.dtype, device=self.device,
-                                       ep_rank=rank, ep_size=world, split_replicated=split)
+                                       ep_rank=rank, ep_size=world, split_replicated=split,
+                                       expert_slices=config.expert_slices)
         # No checkpoint (benchmarks): this rank's experts and heads (and with `split`, its share of the
         # replicated parts) drawn on its device; every part is seeded by its name, so ranks agree.
-        experts = expert_range(self.cfg.n_routed_experts, rank, world)
+        experts = (expert_range(self.cfg.n_routed_experts, rank, world) if config.expert_slices == 1
+                   else ExpertShard(rank, world, config.expert_slices))
         heads = ranks.split_range(self.cfg.num_attention_heads, rank, world)
         return random_target(self.cfg, experts=experts, heads=heads, device=self.device, dtype=self.dtype,
                              split=Split(rank, world) if split else None)

@@ -24,7 +24,7 @@ from verifier_service.int4 import Int4Weight, tileable
 from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
-from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
+from verifier_service.moe import ExpertShard, ExpertStack, MLPWeights, MoEWeights
 from verifier_service.weights import Split
 
 K26_TEXT_CONFIG = {  # reference/k26.md §1.2
@@ -102,22 +102,33 @@ class _Random:
     def norm(self, n: int) -> torch.Tensor:
         return torch.ones(n, device=self.device, dtype=self.dtype)
 
-    def int4(self, key: tuple, experts: range, out: int, inp: int) -> Int4Weight:
+    def int4(self, key: tuple, experts: range | ExpertShard, out: int, inp: int, dim: int = 0,
+             n: int = 0) -> Int4Weight:
         """Uniform random nibbles (q in [-8, 7], std ≈ 4.6) with scales giving std 1/sqrt(in), per expert. On a GPU
-        the draw is taken as the tiled order (int4.tile_int4) the INT4 kernel reads, as the loader stores K2.6's."""
-        packed = torch.empty(len(experts), out, inp // 8, device=self.device, dtype=torch.int32)
-        for j, e in enumerate(experts):
-            packed[j].random_(-2**31, 2**31 - 1, generator=self.gen(*key, e))
-        scale = torch.full((len(experts), out, inp // 32), 1.0 / (4.6 * math.sqrt(inp)), device=self.device,
+        the draw is taken as the tiled order (int4.tile_int4) the INT4 kernel reads, as the loader stores K2.6's.
+        `experts` an ExpertShard of n experts: its pieces, slices of dim `dim` (0: rows, 1: columns) of each whole
+        expert's draw (on a CPU every layout then holds the same values; on a GPU a slice of the draw is taken as
+        the piece's tiled order)."""
+        shard = experts if isinstance(experts, ExpertShard) else ExpertShard()
+        pieces = shard.pieces(n) if isinstance(experts, ExpertShard) else [(e, 0) for e in experts]
+        S = shard.slices
+        shape = (out // S, inp) if dim == 0 else (out, inp // S)
+        packed = torch.empty(len(pieces), shape[0], shape[1] // 8, device=self.device, dtype=torch.int32)
+        whole = torch.empty(out, inp // 8, device=self.device, dtype=torch.int32)
+        for j, (e, s) in enumerate(pieces):
+            whole.random_(-2**31, 2**31 - 1, generator=self.gen(*key, e))
+            rows, words = shape[0], shape[1] // 8
+            packed[j] = whole[s * rows:(s + 1) * rows] if dim == 0 else whole[:, s * words:(s + 1) * words]
+        scale = torch.full((len(pieces), shape[0], shape[1] // 32), 1.0 / (4.6 * math.sqrt(inp)), device=self.device,
                            dtype=torch.bfloat16)
-        tiled = packed.is_cuda and tileable((out, inp), 32)
-        return Int4Weight(packed, scale, (out, inp), tiled)
+        return Int4Weight(packed, scale, shape, packed.is_cuda and tileable(shape, 32))
 
 
-def random_target(cfg: K2Config, *, experts: range, heads: range, device="cuda", dtype=torch.bfloat16,
-                  seed: int = 0, split: Split | None = None) -> TargetWeights:
-    """`split` (rank, world): also this rank's rows of the dense and shared MLPs' gate/up, columns of their
-    down, and vocab rows of embed_tokens / lm_head; None: those replicated."""
+def random_target(cfg: K2Config, *, experts: range | ExpertShard, heads: range, device="cuda",
+                  dtype=torch.bfloat16, seed: int = 0, split: Split | None = None) -> TargetWeights:
+    """`experts`: this rank's whole experts, or an ExpertShard (expert slices). `split` (rank, world): also this
+    rank's rows of the dense and shared MLPs' gate/up, columns of their down, and vocab rows of embed_tokens /
+    lm_head; None: those replicated."""
     r = _Random(device, dtype, seed)
     layers = tuple(_layer(r, cfg, i, experts, heads, split) for i in range(cfg.num_hidden_layers))
     vocab = split.of(cfg.vocab_size) if split else range(cfg.vocab_size)
@@ -134,7 +145,8 @@ def _mlp(r: _Random, key: tuple, inter: int, H: int, split: Split | None) -> MLP
                       r.dense((*key, "down"), H, inter, cols=part))
 
 
-def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range, split: Split | None) -> LayerWeights:
+def _layer(r: _Random, cfg: K2Config, i: int, experts: range | ExpertShard, heads: range,
+           split: Split | None) -> LayerWeights:
     H = cfg.hidden_size
     attn = MLAWeights(
         q_a_proj=r.dense((i, "q_a"), cfg.q_lora_rank, H), q_a_layernorm=r.norm(cfg.q_lora_rank),
@@ -145,8 +157,11 @@ def _layer(r: _Random, cfg: K2Config, i: int, experts: range, heads: range, spli
         o_proj=r.head_cols((i, "o"), heads, H, cfg.v_head_dim, cfg.num_attention_heads * cfg.v_head_dim))
     if cfg.is_moe_layer(i):
         I, n = cfg.moe_intermediate_size, cfg.n_routed_experts
-        stack = ExpertStack(gate_proj=r.int4((i, "gate"), experts, I, H), up_proj=r.int4((i, "up"), experts, I, H),
-                            down_proj=r.int4((i, "down"), experts, H, I), first=experts.start)
+        shard = experts if isinstance(experts, ExpertShard) else ExpertShard()
+        mats = (r.int4((i, "gate"), experts, I, H, 0, n), r.int4((i, "up"), experts, I, H, 0, n),
+                r.int4((i, "down"), experts, H, I, 1, n))
+        stack = ExpertStack(*mats, first=shard.first(n) if isinstance(experts, ExpertShard) else experts.start,
+                            slices=shard.slices, rank=shard.rank, world=shard.world)
         shared = _mlp(r, (i, "shared"), I * cfg.n_shared_experts, H, split)
         bias = torch.randn(n, device=r.device, generator=r.gen(i, "bias")) * 0.01
         router = r.dense((i, "router"), n, H, dtype=torch.float32).to(r.dtype)  # stored like K2.6's (bf16)

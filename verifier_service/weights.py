@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from verifier_service.int4 import NIBBLES_PER_WORD, Int4Weight, tile_int4, tilea
 from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
-from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
+from verifier_service.moe import ExpertShard, ExpertStack, MLPWeights, MoEWeights
 from verifier_service.ranks import split_range, split_rows
 
 log = get_logger("verifier.weights")
@@ -95,10 +96,12 @@ def load_target_weights(
     ep_size: int = 1,
     progress: Callable[[LoadProgress], None] | None = None,
     split_replicated: bool = False,
+    expert_slices: int = 1,
 ) -> TargetWeights:
     """Validate the checkpoint against `cfg` (default: its own config.json), then load this rank's part:
-    routed experts `expert_range(n, ep_rank, ep_size)` and attention heads `head_range(heads, ep_rank,
-    ep_size)` (slices of q_b_proj / kv_b_proj rows and o_proj columns, read without the rest).
+    routed experts `expert_range(n, ep_rank, ep_size)` (with `expert_slices` S > 1, the expert slices
+    `ExpertShard(ep_rank, ep_size, S)` deals it, each read without the rest of its expert) and attention heads
+    `head_range(heads, ep_rank, ep_size)` (slices of q_b_proj / kv_b_proj rows and o_proj columns, likewise).
     `split_replicated` also splits the dense and shared MLPs (gate/up rows, down columns) and the
     embedding / lm_head vocab rows over the ranks (96 GB cards)."""
     cfg = cfg if cfg is not None else K2Config.from_json(model_dir)
@@ -109,13 +112,17 @@ def load_target_weights(
     expected = expected_shapes(cfg, int4_linears={n[: -len(packed)] for n in stored if n.endswith(packed)})
     _check_names(index, stored, expected)
     _check_shapes(index, stored, expected)
-    experts = expert_range(cfg.n_routed_experts, ep_rank, ep_size)
+    expert_range(cfg.n_routed_experts, ep_rank, ep_size)  # checks the rank and world
+    shard = ExpertShard(ep_rank, ep_size, expert_slices)
+    check_expert_slices(cfg.moe_intermediate_size, expert_slices, cfg.quantization_config)
+    pieces = shard.pieces(cfg.n_routed_experts)
     # Heads like experts (64 over 7 → 10 + 9×6); a rank may hold none (tiny models at world size 7).
     heads = split_range(cfg.num_attention_heads, ep_rank, ep_size)
     reader = _Reader(index, stored, torch.device(device), progress or LogProgress())
-    reader.plan([n for n in expected if _wanted(n, experts)])
+    held = collections.Counter(e for e, _ in pieces)  # a tensor is read once per piece of its expert
+    reader.plan([n for n in expected for _ in range(_wanted(n, held))])
     split = Split(ep_rank, ep_size) if split_replicated else None
-    layers = tuple(_layer(reader, cfg, i, experts, heads, dtype, split) for i in range(cfg.num_hidden_layers))
+    layers = tuple(_layer(reader, cfg, i, shard, heads, dtype, split) for i in range(cfg.num_hidden_layers))
     vocab = split.of(cfg.vocab_size) if split else None
     embed = reader.get("model.embed_tokens.weight", dtype, rows=vocab)
     head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", dtype, rows=vocab)
@@ -221,11 +228,19 @@ def _check_shapes(index: CheckpointIndex, stored: dict[str, str], expected: dict
             raise CheckpointError(f"{index.dir}: {stored[name]!r} is INT4 but config.json has no quantization_config")
 
 
-def _wanted(name: str, experts: range) -> bool:
-    """Only this rank's routed experts; everything else is replicated."""
+def _wanted(name: str, held: collections.Counter) -> int:
+    """How many times this rank reads a tensor: once if replicated, once per piece it holds of a routed expert."""
     if ".mlp.experts." not in name:
-        return True
-    return int(name.split(".mlp.experts.")[1].split(".")[0]) in experts
+        return 1
+    return held[int(name.split(".mlp.experts.")[1].split(".")[0])]
+
+
+def check_expert_slices(inter: int, slices: int, quant) -> None:
+    """An expert cuts into `slices` slices of whole INT4 scale groups (K2.6: 2048 = 64 groups of 32 → 1, 2, 4, ...)."""
+    group = quant.group_size if quant else 1
+    if slices < 1 or inter % slices or (inter // slices) % group:
+        raise ValueError(f"expert_slices: {slices} does not cut moe_intermediate_size {inter} into whole "
+                         f"groups of {group}")
 
 
 class _Reader:
@@ -274,7 +289,7 @@ def _attention(r: _Reader, cfg: K2Config, a: str, heads: range, dtype: torch.dty
         o_proj=r.get(a + "o_proj.weight", dtype, cols=per_head(cfg.v_head_dim)))
 
 
-def _layer(r: _Reader, cfg: K2Config, i: int, experts: range, heads: range, dtype: torch.dtype,
+def _layer(r: _Reader, cfg: K2Config, i: int, experts: ExpertShard, heads: range, dtype: torch.dtype,
            split: Split | None) -> LayerWeights:
     p = f"model.layers.{i}."
     attn = _attention(r, cfg, p + "self_attn.", heads, dtype)
@@ -305,27 +320,42 @@ def _mlp(r: _Reader, p: str, dtype: torch.dtype, inter: range | None = None) -> 
                       r.get(p + "down_proj.weight", dtype, cols=inter))
 
 
-def _experts(r: _Reader, p: str, cfg: K2Config, experts: range) -> ExpertStack:
-    """Stack this rank's experts per projection into preallocated [E_local, ...] tensors."""
+def _experts(r: _Reader, p: str, cfg: K2Config, shard: ExpertShard) -> ExpertStack:
+    """Stack this rank's experts (or expert slices: gate/up rows, down columns) per projection into preallocated
+    [E_local, ...] tensors."""
+    n, S = cfg.n_routed_experts, shard.slices
+    pieces = shard.pieces(n)
     stacks = {}
     for proj in EXPERT_PROJS:
-        base = f"{p}mlp.experts.{experts.start}.{proj}"
+        base = f"{p}mlp.experts.{pieces[0][0]}.{proj}"
         int4 = base + ".weight_packed" in r.stored
         parts = (".weight_packed", ".weight_scale") if int4 else (".weight",)
-        bufs = [torch.empty(len(experts), *r.index.shape(r.stored[base + s]),
-                            dtype=_TORCH_DTYPES[r.index.dtype(r.stored[base + s])], device=r.device) for s in parts]
-        shape = _expert_linears(p, experts.start, cfg)[base]
+        dim = 1 if proj == "down_proj" else 0  # the intermediate dim a slice cuts
+        full = _expert_linears(p, pieces[0][0], cfg)[base]
+        shape = (full[0], full[1] // S) if dim else (full[0] // S, full[1])
+        sizes = [list(r.index.shape(r.stored[base + s])) for s in parts]
+        for size in sizes:
+            size[dim] //= S
+        bufs = [torch.empty(len(pieces), *size, dtype=_TORCH_DTYPES[r.index.dtype(r.stored[base + s])],
+                            device=r.device) for size, s in zip(sizes, parts)]
         # On a GPU, INT4 experts are stored in the tiled order kernels/moe_w4a16 reads, each expert tiled as read.
         tiled = int4 and bufs[0].is_cuda and tileable(shape, shape[1] // bufs[1].shape[-1])
-        for j, e in enumerate(experts):
+        for j, (e, sl) in enumerate(pieces):
             eb = f"{p}mlp.experts.{e}.{proj}"
-            got = [r.get(eb + s, None) for s in parts]
+            got = [_read_slice(r, eb + s, buf.shape[1 + dim], sl, dim) for buf, s in zip(bufs, parts)]
             for buf, t in zip(bufs, tile_int4(*got) if tiled else got):
                 buf[j] = t
             if int4:
                 _check_logical_shape(r, eb, _expert_linears(p, e, cfg)[eb])
         stacks[proj] = Int4Weight(bufs[0], bufs[1], shape, tiled) if int4 else bufs[0]
-    return ExpertStack(**stacks, first=experts.start)
+    return ExpertStack(**stacks, first=shard.first(n), slices=S, rank=shard.rank, world=shard.world)
+
+
+def _read_slice(r: _Reader, name: str, size: int, index: int, dim: int) -> torch.Tensor:
+    """Slice `index` (of `size` rows or columns along `dim`) of a stored 2-D tensor, read without the rest."""
+    part = range(index * size, (index + 1) * size)
+    whole = r.index.shape(r.stored[name])[dim] == size
+    return r.get(name, None) if whole else r.get(name, None, **{"rows" if dim == 0 else "cols": part})
 
 
 def _check_logical_shape(r: _Reader, base: str, want: tuple[int, int]) -> None:
