@@ -48,7 +48,7 @@ class Experts:  # what moe_w4a16 reads of verifier_service.moe.ExpertStack
 def random_experts(E: int, H: int, I: int, first: int = 0, device="cuda", seed: int = 0, slices: int = 1,
                    rank: int = 0, world: int = 1) -> Experts:
     """Uniform random nibbles (q = -8 included), scales in [0.004, 0.02): outputs of order 1. slices > 1: E slices
-    of I rows each, placed as verifier_service.moe.ExpertShard(rank, world, slices) places them."""
+    of I rows each, placed as verifier_service.expert_shard.ExpertShard(rank, world, slices) places them."""
     g = torch.Generator(device).manual_seed(seed)
 
     def mat(out: int, inp: int) -> Int4:

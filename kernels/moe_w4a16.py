@@ -215,7 +215,7 @@ def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         q = ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2).float() - 8  # [out, in]
         return q * scale.float().repeat_interleave(32, dim=-1)
 
-    from verifier_service.moe import local_pairs  # the slices' placement
+    from verifier_service.expert_shard import local_pairs  # the slices' placement
 
     local, weights = local_pairs(topk_ids, topk_weights, experts)  # [T, k·S], -1: another rank's
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]

@@ -11,8 +11,8 @@ import torch
 from stack import tiny_ckpt  # noqa: F401 (fixture)
 from verifier_service.config import VerifierConfig
 from verifier_service.int4 import Int4Weight, quantize_int4_groupwise
-from verifier_service.moe import (ExpertShard, ExpertStack, cut_experts, local_pairs, moe_experts_dense,
-                                  moe_experts_ref)
+from verifier_service.expert_shard import ExpertShard, cut_experts, local_pairs
+from verifier_service.moe import ExpertStack, moe_experts_dense, moe_experts_ref
 from verifier_service.synthetic import preset_config, random_target
 from verifier_service.weights import expert_range, load_target_weights
 

@@ -155,11 +155,12 @@ def test_moe_w4a16_many_local_experts(T, E):
 @pytest.mark.parametrize("T", [1, 5, 16, 32, 40, 100])
 @pytest.mark.parametrize("down_cat", ["slices", False])  # the down GEMM: moe_down_cat, or moe_gemm per item
 def test_moe_w4a16_expert_slices(T, S, world, down_cat, monkeypatch):
-    """Experts cut into S slices dealt over the ranks (verifier_service.moe.ExpertShard): the ranks' kernel outputs
+    """Experts cut into S slices dealt over the ranks (verifier_service.expert_shard.ExpertShard): the ranks' kernel outputs
     sum to the fp32 reference of the whole experts (an independent layout: whole matrices, one rank). T = 100
     takes the separate combine; S = 8 puts two slices of some experts on one rank."""
     from verifier_service.int4 import Int4Weight
-    from verifier_service.moe import ExpertShard, ExpertStack, cut_experts
+    from verifier_service.expert_shard import ExpertShard, cut_experts
+    from verifier_service.moe import ExpertStack
     import kernels.moe_w4a16 as moe
 
     monkeypatch.setattr(moe, "DOWN_CAT", down_cat)

@@ -10,7 +10,7 @@ from drafter_service.synthetic import random_drafter
 from gateway.tiny_tokenizer import write_synthetic_tokenizer
 from gateway.tokenizer import KimiTokenizer
 from verifier_service.bench_verify import expected_max_experts, to_slowest_rank
-from verifier_service.moe import ExpertShard
+from verifier_service.expert_shard import ExpertShard
 from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, preset_config, random_target
 from verifier_service.weights import Split

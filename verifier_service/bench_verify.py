@@ -27,7 +27,7 @@ from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service import moe as moe_module, ranks, step_trace
 from verifier_service.model import K2Model, identity
-from verifier_service.moe import ExpertShard, local_pairs
+from verifier_service.expert_shard import ExpertShard, local_pairs
 from verifier_service.plan import SeqRows, build_plan, plan_to, tree_parents
 from verifier_service.ranks import split_range, split_rows
 from verifier_service.synthetic import k26_config, random_target

@@ -19,7 +19,7 @@ from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.model import ForwardOutput, K2Model, TargetWeights, identity
 from verifier_service.model_config import K2Config
-from verifier_service.moe import ExpertShard
+from verifier_service.expert_shard import ExpertShard
 from verifier_service.plan import BatchPlan, PackedPlan, SeqRows, build_plan, chain_parents, packed_of, plan_to
 from verifier_service.synthetic import preset_config, random_target
 from verifier_service.weights import Split, expert_range, load_target_weights

@@ -24,7 +24,8 @@ from verifier_service.int4 import Int4Weight, tileable
 from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
-from verifier_service.moe import ExpertShard, ExpertStack, MLPWeights, MoEWeights
+from verifier_service.expert_shard import ExpertShard
+from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
 from verifier_service.weights import Split
 
 K26_TEXT_CONFIG = {  # reference/k26.md §1.2

@@ -27,7 +27,8 @@ from verifier_service.int4 import NIBBLES_PER_WORD, Int4Weight, tile_int4, tilea
 from verifier_service.mla import MLAWeights
 from verifier_service.model import LayerWeights, TargetWeights
 from verifier_service.model_config import K2Config
-from verifier_service.moe import ExpertShard, ExpertStack, MLPWeights, MoEWeights
+from verifier_service.expert_shard import ExpertShard
+from verifier_service.moe import ExpertStack, MLPWeights, MoEWeights
 from verifier_service.ranks import split_range, split_rows
 
 log = get_logger("verifier.weights")
