@@ -628,6 +628,8 @@ __device__ __forceinline__ void cat_mma(const CatTables& tb, u32 st_use, int it,
     asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][0].x), "=r"(sc[m][0].y) : "r"(sb + g * CG * 2));
     asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc[m][1].x), "=r"(sc[m][1].y) : "r"(sb + (g + 8) * CG * 2));
   }
+  // The same steps as warp_gemm's, written again on purpose: helpers shared by both kernels changed moe_gemm's code
+  // generation and cost its whole-expert down 9 % at 16 tokens (H100, session 43, docs/kernel-notes/moe_w4a16.md).
   u32 b[CG][4];
 #pragma unroll
   for (int q = 0; q < CG; ++q) {
