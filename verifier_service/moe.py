@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +75,6 @@ class ExpertStack:
     def count(self) -> int:
         w = self.gate_proj
         return (w.packed if isinstance(w, Int4Weight) else w).shape[0]
-
-    def with_matrices(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix) -> ExpertStack:
-        return ExpertStack(gate, up, down, self.first, self.slices, self.rank, self.world)
 
 
 @dataclass(frozen=True)
@@ -183,7 +180,7 @@ def dense_stack(experts: ExpertStack, dtype: torch.dtype, down_by_row: bool = Fa
     down = dense(experts.down_proj)
     if down_by_row:
         down = down.permute(1, 0, 2).contiguous().permute(1, 0, 2)
-    return experts.with_matrices(dense(experts.gate_proj), dense(experts.up_proj), down)
+    return replace(experts, gate_proj=dense(experts.gate_proj), up_proj=dense(experts.up_proj), down_proj=down)
 
 
 def moe_experts_dense(
@@ -342,4 +339,5 @@ def tile_experts(experts: ExpertStack) -> ExpertStack:
     def tiled(m: ExpertMatrix) -> ExpertMatrix:
         return m.tile() if isinstance(m, Int4Weight) and tileable(m.shape, m.group_size) else m
 
-    return experts.with_matrices(tiled(experts.gate_proj), tiled(experts.up_proj), tiled(experts.down_proj))
+    return replace(experts, gate_proj=tiled(experts.gate_proj), up_proj=tiled(experts.up_proj),
+                   down_proj=tiled(experts.down_proj))

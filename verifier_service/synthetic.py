@@ -103,22 +103,18 @@ class _Random:
     def norm(self, n: int) -> torch.Tensor:
         return torch.ones(n, device=self.device, dtype=self.dtype)
 
-    def int4(self, key: tuple, experts: range | ExpertShard, out: int, inp: int, dim: int = 0,
-             n: int = 0) -> Int4Weight:
+    def int4(self, key: tuple, pieces: list[tuple[int, int]], S: int, out: int, inp: int, dim: int = 0) -> Int4Weight:
         """Uniform random nibbles (q in [-8, 7], std ≈ 4.6) with scales giving std 1/sqrt(in), per expert. On a GPU
         the draw is taken as the tiled order (int4.tile_int4) the INT4 kernel reads, as the loader stores K2.6's.
-        `experts` an ExpertShard of n experts: its pieces, slices of dim `dim` (0: rows, 1: columns) of each whole
-        expert's draw (on a CPU every layout then holds the same values; on a GPU a slice of the draw is taken as
-        the piece's tiled order)."""
-        shard = experts if isinstance(experts, ExpertShard) else ExpertShard()
-        pieces = shard.pieces(n) if isinstance(experts, ExpertShard) else [(e, 0) for e in experts]
-        S = shard.slices
+        `pieces`: (expert, slice) pairs (ExpertShard.pieces), slice s of S of dim `dim` (0: rows, 1: columns) of
+        each whole expert's draw (on a CPU every layout then holds the same values; on a GPU a slice of the draw is
+        taken as the piece's tiled order)."""
         shape = (out // S, inp) if dim == 0 else (out, inp // S)
-        packed = torch.empty(len(pieces), shape[0], shape[1] // 8, device=self.device, dtype=torch.int32)
+        rows, words = shape[0], shape[1] // 8
+        packed = torch.empty(len(pieces), rows, words, device=self.device, dtype=torch.int32)
         whole = torch.empty(out, inp // 8, device=self.device, dtype=torch.int32)
         for j, (e, s) in enumerate(pieces):
             whole.random_(-2**31, 2**31 - 1, generator=self.gen(*key, e))
-            rows, words = shape[0], shape[1] // 8
             packed[j] = whole[s * rows:(s + 1) * rows] if dim == 0 else whole[:, s * words:(s + 1) * words]
         scale = torch.full((len(pieces), shape[0], shape[1] // 32), 1.0 / (4.6 * math.sqrt(inp)), device=self.device,
                            dtype=torch.bfloat16)
@@ -158,11 +154,13 @@ def _layer(r: _Random, cfg: K2Config, i: int, experts: range | ExpertShard, head
         o_proj=r.head_cols((i, "o"), heads, H, cfg.v_head_dim, cfg.num_attention_heads * cfg.v_head_dim))
     if cfg.is_moe_layer(i):
         I, n = cfg.moe_intermediate_size, cfg.n_routed_experts
-        shard = experts if isinstance(experts, ExpertShard) else ExpertShard()
-        mats = (r.int4((i, "gate"), experts, I, H, 0, n), r.int4((i, "up"), experts, I, H, 0, n),
-                r.int4((i, "down"), experts, H, I, 1, n))
-        stack = ExpertStack(*mats, first=shard.first(n) if isinstance(experts, ExpertShard) else experts.start,
-                            slices=shard.slices, rank=shard.rank, world=shard.world)
+        sliced = isinstance(experts, ExpertShard)
+        shard = experts if sliced else ExpertShard()
+        pieces, S = shard.pieces(n) if sliced else [(e, 0) for e in experts], shard.slices
+        mats = (r.int4((i, "gate"), pieces, S, I, H), r.int4((i, "up"), pieces, S, I, H),
+                r.int4((i, "down"), pieces, S, H, I, dim=1))
+        stack = ExpertStack(*mats, first=shard.first(n) if sliced else experts.start, slices=S, rank=shard.rank,
+                            world=shard.world)
         shared = _mlp(r, (i, "shared"), I * cfg.n_shared_experts, H, split)
         bias = torch.randn(n, device=r.device, generator=r.gen(i, "bias")) * 0.01
         router = r.dense((i, "router"), n, H, dtype=torch.float32).to(r.dtype)  # stored like K2.6's (bf16)
