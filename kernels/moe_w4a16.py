@@ -102,7 +102,7 @@ PDL = True
 # tile reads the experts again) and 7 % at 32 (session 43).
 DOWN_CAT = "slices"
 CAT_ZMAX = 8  # most K-split blocks per output tile
-CAT_MAX_TABLES = 40 << 10  # its shared item tables (72 B per item): two blocks of 8 warps, 3 stages, fit an SM
+CAT_MAX_TABLES = 40 << 10  # its shared item tables (_cat_tables): two blocks of 8 warps, 3 stages, fit an SM
 CAT_MAX_T = 64  # above, moe_gemm's down (H100, 4 slices, slowest rank: moe_down_cat 1452 us at 256 tokens)
 
 
@@ -145,8 +145,9 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     # items (e, first row) pairs first (8-byte aligned), then offsets, the item count, order, and the arrival
     # counters (gate/up tiles, then down tiles)
     cat = ((DOWN_CAT is True or (DOWN_CAT == "slices" and S > 1))
-           and T <= CAT_MAX_T and 72 * blocks_y + 4 <= CAT_MAX_TABLES)
-    down_cnt = max(H // 16, H // 32 * -(-T // 8)) if cat else H // 16  # moe_down_cat: one per row and token tile
+           and T <= CAT_MAX_T and _cat_tables(blocks_y) <= CAT_MAX_TABLES)
+    cat_tiles = H // 32 * -(-T // 8)  # moe_down_cat's row tiles x token tiles, one arrival counter each
+    down_cnt = max(H // 16, cat_tiles) if cat else H // 16
     sizes = (2 * blocks_y, E + 1, 1, P, blocks_y * (I // 16) + down_cnt)
     items, offsets, num_items, order, counters = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
@@ -164,7 +165,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
             (gate, up, H, I, x, act, gate_up_warps, smax), (down, down, I, H, act, y, DOWN_WARPS, 1))):
         if mode == 1 and cat:
             _wait(add_ready)
-            _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, blocks_y, 8 * nt,
+            _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, blocks_y, 8 * nt, cat_tiles,
                       counters[gate_cnt:], 2 * slots[1], topk_weights, S, add, out, st)
             return out
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
@@ -183,18 +184,22 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     return out
 
 
-def _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, cap, tt, counters, slots, topk_weights, S,
-              add, out, st) -> None:
+def _cat_tables(cap: int) -> int:
+    """Bytes of moe_down_cat's shared CatTables for `cap` items: e, row [8], w [8], the count, the kept item ids."""
+    return 72 * cap + 4
+
+
+def _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, cap, tt, tiles, counters, slots,
+              topk_weights, S, add, out, st) -> None:
     """moe_down_cat: out = add + Σ over local items of w · down(act), one GEMM over the items' chunks per token
-    tile of 8 (see the .cu); `cap` bounds the items, `tt` is the most rows an item holds."""
+    tile of 8 (see the .cu); `cap` bounds the items, `tt` is the most rows an item holds, `tiles` the grid's row
+    tiles x token tiles."""
     H, I = x.shape[1], act.shape[1]
-    tiles = H // 32 * -(-T // 8)  # row tiles x token tiles
     zmax = min(CAT_ZMAX, -(-slots // tiles))  # the kernel's Z never exceeds it
     part = torch.empty(zmax * T * H if zmax > 1 else 1, dtype=torch.float32, device=x.device)
-    tables = 72 * cap + 4  # CatTables: e, row [8], w [8], the count, then the kept item ids
     launch(ker[f"moe_down_cat<2, {st}>"], (tiles, zmax), (32, DOWN_WARPS), down.packed, down.scale, act, I, H, k,
            offsets, order, items, num_items, cap, tt, part, counters, slots, zmax, topk_weights, S, add, out, T,
-           smem=DOWN_WARPS * st * _stage_bytes(2) + tables, pdl=PDL)
+           smem=DOWN_WARPS * st * _stage_bytes(2) + _cat_tables(cap), pdl=PDL)
 
 
 def _wait(event: torch.cuda.Event | None) -> None:
@@ -228,4 +233,3 @@ def moe_w4a16_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         y = act @ dequant(experts.down_proj, e).T  # [n, H]
         out.index_add_(0, tok, y * weights[tok, slot, None])
     return (out if add is None else out + add.float()).to(x.dtype)
-
