@@ -2,6 +2,7 @@
 
     moe_gate(x, gate, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)
     gate_select(scores, bias, top_k, scale, renormalize=True) -> (topk_ids, topk_weights)   the second launch
+    both also take live_rows=None
 
 x            [T, H] contiguous, bf16 or fp32
 gate         [E, H] router weight, contiguous; E <= 32·MAX_PER_LANE (512). bf16 (the checkpoint's dtype) with
@@ -11,6 +12,10 @@ bias         [E] fp32 e_score_correction_bias: added for choosing only
 topk_ids     int64 [T, top_k], descending by s + bias (equal values: the lower expert id first)
 topk_weights fp32 [T, top_k]: the chosen unbiased scores s, divided by (their sum + 1e-20) if renormalize,
              times scale
+live_rows    None, or int64 [1] on the device: rows from live_rows[0] on are a CUDA graph's pad rows (graphs.py
+             pads a step to its row bucket with copies of one dummy row). They choose no expert: ids -1 (no
+             rank's, so the routed-expert kernels skip them), weights 0. Read when the launch runs, so one
+             captured graph serves every live count.
 
 s = sigmoid(x·gate^T) in fp32, as HF's DeepSeek-V3 / Kimi K2 MoEGate, F.linear(x.float(), gate.float()): the
 products of bf16 values are exact in fp32 either way, only the order of the fp32 sums differs (n_group =
@@ -105,12 +110,16 @@ __global__ void __launch_bounds__(256) gate_logits(const T* __restrict__ x, cons
 // stays with the logits kernels, spread over their threads: here one warp would take ~5 us per row for it (H200).
 template <int MAXPL>
 __global__ void gate_select(const float* __restrict__ scores, const float* __restrict__ bias, int Tn, int E,
-                             int K, float scale, int renormalize, i64* __restrict__ ids,
-                             float* __restrict__ weights) {
+                             int K, float scale, int renormalize, const i64* __restrict__ live,
+                             i64* __restrict__ ids, float* __restrict__ weights) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   pdl_trigger();  // moe_route (PDL) may become resident; it waits for this grid before reading ids
   pdl_wait();  // launched with PDL: the logits kernel's output is complete and visible after this
   if (row >= Tn) return;
+  if (live != nullptr && row >= *live) {  // a pad row: no expert, so no rank reads weights for it
+    if (lane < K) ids[(i64)row * K + lane] = -1, weights[(i64)row * K + lane] = 0.f;
+    return;
+  }
   const float* s = scores + (i64)row * E;
   float c[MAXPL];  // lane's experts lane, lane + 32, ...
 #pragma unroll
@@ -166,7 +175,7 @@ def fits(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
 
 
 def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
-              renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool = True, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     T, H = x.shape
     E = gate.shape[0]
     assert fits(x, gate, top_k) and gate.shape[1] == H, (x.shape, x.dtype, gate.shape, gate.dtype, top_k)
@@ -179,30 +188,41 @@ def moe_gate(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int
         scores = torch.empty(T, E, dtype=torch.float32, device=x.device)
         launch(get_kernels(cuda_source(CODE), NAMES)[_LOGITS[x.dtype]],
                (-(-E // EXPERTS_PER_BLOCK), -(-T // ROWS_PER_BLOCK)), 256, x, gate, scores, T, H, E)
-    return gate_select(scores, bias, top_k, scale, renormalize)
+    return gate_select(scores, bias, top_k, scale, renormalize, live_rows)
 
 
 def gate_select(scores: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
-                renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalize: bool = True, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_gate's second launch: scores [T, E] fp32 contiguous (the sigmoid already applied) -> (topk_ids,
     topk_weights) as moe_gate returns them. A NaN or -inf biased score is never chosen; a row with fewer than top_k
     others takes expert k for choice k."""
     T, E = scores.shape
     assert scores.dtype == torch.float32 and scores.is_contiguous() and E <= 32 * MAX_PER_LANE, (scores.shape,)
     assert bias.shape == (E,) and bias.dtype == torch.float32 and 1 <= top_k <= min(E, 32), (bias.shape, top_k)
+    if live_rows is not None:
+        assert live_rows.shape == (1,) and live_rows.dtype == torch.int64 and live_rows.device == scores.device
     ids = torch.empty(T, top_k, dtype=torch.int64, device=scores.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=scores.device)
     if T:
         launch(get_kernels(cuda_source(CODE), NAMES)[_SELECT], -(-T // 4), 128, scores, bias.contiguous(), T, E,
-               top_k, float(scale), int(renormalize), ids, weights, pdl=PDL)
+               top_k, float(scale), int(renormalize), live_rows, ids, weights, pdl=PDL)
     return ids, weights
 
 
 def moe_gate_ref(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float,
-                  renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  renormalize: bool = True, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.nn.functional.linear(x.float(), gate.float()).sigmoid()  # [T, E]
     ids = (scores + bias).topk(top_k, dim=-1).indices  # [T, k]
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * scale
+    return skip_pad_rows(ids, weights * scale, live_rows)
+
+
+def skip_pad_rows(ids: torch.Tensor, weights: torch.Tensor,
+                  live_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k], weights [T, k] with rows live_rows[0].. (pad rows, see the module doc) set to -1 and 0."""
+    if live_rows is None:
+        return ids, weights
+    pad = (torch.arange(ids.shape[0], device=ids.device) >= live_rows)[:, None]  # [T, 1], no host read
+    return ids.masked_fill(pad, -1), weights.masked_fill(pad, 0.0)

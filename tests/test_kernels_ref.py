@@ -122,6 +122,12 @@ def test_moe_gate_ref_matches_model_route():
     want_ids, want_w = route(x, w, cfg)
     ids, weights = moe_gate_ref(x, w.gate, w.e_score_correction_bias, k, 2.827)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    for live in (0, 4, 9, 12):  # rows from `live` on are a graph's pad rows: no expert, weight 0
+        live_rows = torch.tensor([live])
+        for got_ids, got_w in (route(x, w, cfg, live_rows=live_rows),
+                               moe_gate_ref(x, w.gate, w.e_score_correction_bias, k, 2.827, live_rows=live_rows)):
+            assert torch.equal(got_ids[:live], want_ids[:live]) and torch.equal(got_w[:live], want_w[:live])
+            assert got_ids[live:].eq(-1).all() and got_w[live:].eq(0).all()
 
 
 def test_mla_rope_ref_matches_apply_rope():

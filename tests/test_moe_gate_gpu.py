@@ -150,3 +150,21 @@ def test_gate_select_adversarial_scores(k, E, renormalize):
     usable = ~torch.isnan(weights.cpu()) & ~torch.isnan(want_w)
     assert torch.equal(usable, ~torch.isnan(want_w))
     torch.testing.assert_close(weights.cpu()[usable], want_w[usable], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("T, live", [(1, 0), (1, 1), (4, 3), (17, 9), (64, 1), (64, 63), (64, 64), (33, 200)])
+def test_moe_gate_skips_pad_rows(T, live):
+    """Rows from live_rows[0] on (a graph's pad rows) get ids -1 and weights 0; the others exactly what they get
+    without live_rows. The count is read on the device: one live_rows buffer, rewritten between calls."""
+    x, gate, bias = router(T, 384, 7168, torch.bfloat16, seed=T + live)
+    all_ids, all_w = moe_gate(x, gate, bias, 8, SCALE)
+    live_rows = torch.tensor([T], device="cuda")
+    moe_gate(x, gate, bias, 8, SCALE, live_rows=live_rows)  # an earlier value, overwritten in place
+    live_rows.fill_(live)
+    ids, weights = moe_gate(x, gate, bias, 8, SCALE, live_rows=live_rows)
+    n = min(live, T)
+    assert torch.equal(ids[:n], all_ids[:n]) and torch.equal(weights[:n], all_w[:n])
+    assert (ids[n:] == -1).all() and (weights[n:] == 0).all()
+    ref_ids, ref_w = moe_gate_ref(x, gate, bias, 8, SCALE, live_rows=live_rows)
+    assert (ref_ids[n:] == -1).all() and (ref_w[n:] == 0).all()
+    torch.testing.assert_close(ref_w[:n], weights[:n], rtol=1e-5, atol=1e-6)

@@ -266,6 +266,34 @@ def test_padded_plan_equals_unpadded(tiny_model, bucket, max_seqs, pages):
     assert torch.allclose(flat(kv_pad)[:, keep], flat(kv_ref)[:, keep], atol=1e-5, rtol=0)
 
 
+def test_padded_plan_pad_rows_route_to_no_expert(tiny_model):
+    """A graph's pad rows (rows from the live count on) choose no expert in any MoE layer, so no rank reads
+    expert weights for them; the live rows choose what the reference path chooses for the unpadded plan."""
+    model = sync_free(tiny_model)
+    cache, plan = poisoned_session_plan(tiny_model, seed=5, chunk=3)
+    pad_slot = cache.table.withhold(1)[0] * cache.page_size
+    static = static_plan(64, 8, 8, "cpu")
+    fill_plan(static, plan, pad_slot)
+    T = plan.num_rows
+
+    def routed(m: K2Model, p) -> dict[int, torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        m.on_experts = lambda layer, ids: seen.__setitem__(layer, ids.clone())
+        try:
+            m.forward(p, cache.kv.clone())
+        finally:
+            m.on_experts = None
+        return seen
+
+    want, got = routed(tiny_model, plan), routed(model, static)
+    assert want and got.keys() == want.keys() and T < 64
+    for layer, ids in got.items():
+        assert torch.equal(ids[:T].sort(-1).values, want[layer].sort(-1).values), layer
+        assert ids[T:].eq(-1).all(), layer
+    model.skip_pad_rows = False  # the pad rows do route somewhere when not skipped
+    assert all(ids[T:].ge(0).all() for ids in routed(model, static).values())
+
+
 def test_padded_decode_rows(tiny_model):
     """Single-row decode plans of several sessions padded into a larger bucket (most rows are pad)."""
     model = sync_free(tiny_model)

@@ -23,6 +23,7 @@ import torch
 
 from kernels.bench import copy_bandwidth
 from verifier_service.config import VerifierConfig
+from verifier_service.budget import row_bucket
 from verifier_service.graphs import GraphRunner
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service import moe as moe_module, ranks, step_trace
@@ -61,6 +62,9 @@ def add_parser(bsub) -> None:
                    help="model: the synthetic router's choice; uniform: its cost, but uniform random top-k ids (this "
                         "rank then holds the mean rank's load); slowest: the same draws, each rotated so that this "
                         "rank holds the most loaded rank's experts, the load a served step waits for")
+    p.add_argument("--route-pad-rows", action="store_true",
+                   help="let a graph's pad rows (a tree size between row buckets) route to experts, as before session "
+                        "44, instead of skipping them: what skipping saves")
     p.add_argument("--one-shot-all-reduce-kb", type=int, default=VerifierConfig.one_shot_all_reduce_kb,
                    help="under torchrun: all-reduces up to this many KiB by kernels/all_reduce (the verifier's "
                         "flag); 0 = NCCL for all")
@@ -185,23 +189,34 @@ def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0, slices: 
     """`--routing uniform`: each MoE layer's router still runs (its cost stays in the step), but the layer
     takes its top-k ids from a fixed uniform draw per layer and row, made here outside any graph: the
     routing the uniform floor assumes. The synthetic weights route a tree's rows almost alike.
+    A graph pads the rows to its bucket with copies of one dummy row: these route alike, to one more draw of their
+    own (as a served step's pad rows do), or to no expert where the model skips them (the router gets live_rows).
     `slowest_of` = N ranks (`--routing slowest`): each draw `to_slowest_rank` (experts cut into `slices`)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    draws = [torch.rand(rows, cfg.n_routed_experts, generator=g, device="cuda").topk(cfg.num_experts_per_tok).indices
-             for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    if slowest_of > 1:
-        draws = [to_slowest_rank(d, cfg.n_routed_experts, slowest_of, slices) for d in draws]
-    calls, real = itertools.count(), moe_module.route
+    E, k, pads = cfg.n_routed_experts, cfg.num_experts_per_tok, row_bucket(rows) - rows
+    g, g_pad = (torch.Generator(device="cuda").manual_seed(s) for s in (seed, seed + 1))
+    routed, skipped = [], []  # per MoE layer: ids [bucket, k] with the pad rows routed / skipped
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        real = torch.rand(rows, E, generator=g, device="cuda").topk(k).indices
+        pad = torch.rand(1, E, generator=g_pad, device="cuda").topk(k).indices.expand(pads, k)
+        with_pads = torch.cat([real, pad])
+        if slowest_of > 1:
+            real, with_pads = (to_slowest_rank(d, E, slowest_of, slices) for d in (real, with_pads))
+        routed.append(with_pads)
+        skipped.append(torch.cat([real, real.new_full((pads, k), -1)]))
+    calls, real_route = itertools.count(), moe_module.route
 
-    def route(x, w, cfg_, use_kernel=False):
-        _, weights = real(x, w, cfg_, use_kernel)
+    def route(x, w, cfg_, use_kernel=False, live_rows=None):
+        _, weights = real_route(x, w, cfg_, use_kernel, live_rows)
+        draws = routed if live_rows is None else skipped
         return draws[next(calls) % len(draws)][: x.shape[0]], weights
 
     moe_module.route = route  # moe_forward looks route up at each call
     try:
         yield
     finally:
-        moe_module.route = real
+        moe_module.route = real_route
 
 
 def touched_experts(model: K2Model, plan, kv: torch.Tensor) -> float:
@@ -250,6 +265,7 @@ def main(args) -> int:
     if split is not None and reduce is not identity:  # vocab-parallel logits, as the served verifier gathers them
         gather = ranks.all_gather_columns([len(split_rows(cfg.vocab_size, r, world)) for r in range(world)])
     fast = K2Model(cfg, weights, use_kernels=True, all_reduce=reduce, all_gather=gather)
+    fast.skip_pad_rows = not args.route_pad_rows
     ref = K2Model(cfg, weights, use_kernels=False, all_reduce=reduce, all_gather=gather)
     say = print if rank == 0 else (lambda *a, **k: None)
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, width=cfg.kv_cache_width, page_size=64,
@@ -284,6 +300,7 @@ def main(args) -> int:
         routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw
         row = dict(rows=rows, sessions=args.sessions, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
                    touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
+                   pad_rows_routed=args.route_pad_rows,
                    layers=args.layers, ranks=world, collectives=collectives,
                    split_replicated=split is not None,
                    prefix=args.prefix, gpu=torch.cuda.get_device_name())

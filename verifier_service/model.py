@@ -96,6 +96,9 @@ class K2Model:
         self.vocab_parallel = weights.embed_tokens.shape[0] != cfg.vocab_size
         self.use_kernels = use_kernels
         self.on_experts = on_experts  # (layer, topk_ids [T, k]) — e.g. to log distinct experts per layer
+        # A graph's pad rows (plan.pad_last) route to no expert (moe.route); False: they route as the dummy row they
+        # are, as before session 44 (`bench verify --route-pad-rows`, to measure what skipping them saves).
+        self.skip_pad_rows = True
         self.dtype = weights.embed_tokens.dtype
         self.device = weights.embed_tokens.device
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # fp32 [rope/2]
@@ -130,6 +133,8 @@ class K2Model:
         captured: dict[int, torch.Tensor] = {}
         eps, last = cfg.rms_norm_eps, len(w.layers) - 1
         a = rms_norm(h, w.layers[0].input_layernorm, eps, self.fused)
+        # rows from row_starts[-2] on are the pad sequence's: int64 [1], read on the device (graphs fill it per step)
+        live = plan.row_starts[-2:-1] if plan.pad_last and self.skip_pad_rows else None
         for i, layer in enumerate(w.layers):
             kv_layer = kv_cache[i].view(-1, cfg.kv_cache_width)  # [num_slots, 576], writes land in the cache
             paged = (kv_cache[i], plan) if kernel_attn else None
@@ -137,7 +142,7 @@ class K2Model:
                                plan.explicit_mla, paged, self.fused, self.uk_t.get(i))
             # each residual add runs with the norm after it (one launch with the kernels)
             h, b = add_rms_norm(h, self.all_reduce(attn), layer.post_attention_layernorm, eps, self.fused)
-            mlp_out = self._mlp(i, b, layer.mlp)
+            mlp_out = self._mlp(i, b, layer.mlp, live)
             if i < last:
                 h, a = add_rms_norm(h, mlp_out, w.layers[i + 1].input_layernorm, eps, self.fused)
             else:
@@ -159,13 +164,14 @@ class K2Model:
         rows = F.embedding(local.clamp(0, w.embed_tokens.shape[0] - 1), w.embed_tokens) * mine[:, None]
         return self.all_reduce(rows)
 
-    def _mlp(self, layer: int, x: torch.Tensor, w: MLPWeights | MoEWeights) -> torch.Tensor:
+    def _mlp(self, layer: int, x: torch.Tensor, w: MLPWeights | MoEWeights,
+             live_rows: torch.Tensor | None) -> torch.Tensor:
         if isinstance(w, MLPWeights):  # replicated, or column/row split over ranks (then summed)
             y = mlp(x, w, self.fused)
             return self.all_reduce(y) if w.gate_proj.shape[0] < self.cfg.intermediate_size else y
         observe = None if self.on_experts is None else (lambda ids: self.on_experts(layer, ids))
         return moe_forward(x, w, self.cfg, self.all_reduce, observe, use_kernel=self.use_kernels,
-                           dense=self.dense_experts.get(layer))
+                           dense=self.dense_experts.get(layer), live_rows=live_rows)
 
     def _dense_experts(self) -> dict[int, ExpertStack]:
         """Dequantize the routed experts the INT4 kernel will not run, once: all such layers, or none

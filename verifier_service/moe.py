@@ -103,20 +103,21 @@ def swiglu(x: torch.Tensor, w: MLPWeights, kernel: bool = False) -> torch.Tensor
     return F.silu(gate) * up
 
 
-def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
-          use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config, use_kernel: bool = False,
+          live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (topk_ids int64 [T, k] global expert ids, topk_weights fp32 [T, k]).
 
     sigmoid scores in fp32; bias added for choosing only; group-limited top-k (group score = sum of
     the group's top-2 biased scores); weights = unbiased scores renormalized × routed_scaling_factor.
     use_kernel: kernels/moe_gate (two launches instead of ~12) where it applies: a GPU, one group (Kimi).
+    live_rows: int64 [1] on x's device, or None: rows from live_rows[0] on are a CUDA graph's pad rows and
+    route to no expert (ids -1, weights 0; kernels/moe_gate's module doc).
     """
-    if use_kernel and cfg.n_group <= 1:
-        from kernels import moe_gate
+    from kernels import moe_gate
 
-        if moe_gate.fits(x, w.gate, cfg.num_experts_per_tok):
-            return moe_gate.moe_gate(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
-                                     cfg.routed_scaling_factor, cfg.norm_topk_prob)
+    if use_kernel and cfg.n_group <= 1 and moe_gate.fits(x, w.gate, cfg.num_experts_per_tok):
+        return moe_gate.moe_gate(x.contiguous(), w.gate, w.e_score_correction_bias, cfg.num_experts_per_tok,
+                                 cfg.routed_scaling_factor, cfg.norm_topk_prob, live_rows)
     scores = F.linear(x.float(), w.gate.float()).sigmoid()  # [T, E] (the checkpoint's router weight is bf16)
     choice = scores + w.e_score_correction_bias  # [T, E]
     if cfg.n_group > 1:
@@ -129,7 +130,7 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
     weights = scores.gather(1, topk_ids)  # [T, k]
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return topk_ids, weights * cfg.routed_scaling_factor
+    return moe_gate.skip_pad_rows(topk_ids, weights * cfg.routed_scaling_factor, live_rows)
 
 
 def moe_experts_ref(
@@ -227,8 +228,9 @@ def moe_forward(
     on_experts: Callable[[torch.Tensor], None] | None = None,
     use_kernel: bool = False,
     dense: ExpertStack | None = None,
+    live_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H] -> routed (summed over ranks) + shared expert, unweighted.
+    """x [T, H] -> routed (summed over ranks) + shared expert, unweighted. live_rows: see `route`.
 
     Routed experts: the INT4 kernel (`use_kernel` and `kernel_fits`) > the sync-free every-expert path
     (`dense` = this layer's `dense_stack`, given by the model when that path is on, and `dense_fits`) >
@@ -239,19 +241,19 @@ def moe_forward(
     is added after the reduce by its down projection (on one rank that projection adds into the routed sum)."""
     shared = w.shared_experts
     if shared is None:
-        return all_reduce(routed_experts(x, w, cfg, on_experts, use_kernel, dense))
+        return all_reduce(routed_experts(x, w, cfg, on_experts, use_kernel, dense, live_rows))
     split = shared.gate_proj.shape[0] < cfg.moe_intermediate_size * cfg.n_shared_experts
     if use_kernel and split and kernel_fits(x, w.experts):
-        return all_reduce(_kernel_with_shared(x, w, cfg, on_experts))
+        return all_reduce(_kernel_with_shared(x, w, cfg, on_experts, live_rows))
     if use_kernel and x.shape[0] <= SIDE_STREAM_MAX_ROWS and kernel_fits(x, w.experts):
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
         side.wait_stream(main)
         act = swiglu(x, shared, use_kernel)  # [T, I_shared], beside the router and routed experts
         with torch.cuda.stream(side):
-            routed = routed_experts(x, w, cfg, on_experts, use_kernel, dense)
+            routed = routed_experts(x, w, cfg, on_experts, use_kernel, dense, live_rows)
         main.wait_stream(side)
     else:
-        act, routed = swiglu(x, shared, use_kernel), routed_experts(x, w, cfg, on_experts, use_kernel, dense)
+        act, routed = swiglu(x, shared, use_kernel), routed_experts(x, w, cfg, on_experts, use_kernel, dense, live_rows)
     if split:
         return all_reduce(project(act, shared.down_proj, use_kernel, routed))  # split shared expert: partial
     # Replicated shared expert: added after the reduce so it is counted once.
@@ -259,7 +261,8 @@ def moe_forward(
 
 
 def _kernel_with_shared(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
-                        on_experts: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+                        on_experts: Callable[[torch.Tensor], None] | None,
+                        live_rows: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's routed experts (INT4 kernel) + its part of the split shared expert: x [T, H] -> [T, H].
     The router and the routed experts run beside the whole shared MLP on two streams, and the kernel's combine
     starts each token's sum from the shared output: only its down launch waits for the shared MLP, and no launch
@@ -278,18 +281,18 @@ def _kernel_with_shared(x: torch.Tensor, w: MoEWeights, cfg: K2Config,
         ready = torch.cuda.Event()
         ready.record(shared_on)
     with torch.cuda.stream(routed_on):
-        out = routed_experts(x, w, cfg, on_experts, True, None, add=shared, add_ready=ready)
+        out = routed_experts(x, w, cfg, on_experts, True, None, live_rows, add=shared, add_ready=ready)
     main.wait_stream(side)
     return out
 
 
 def routed_experts(x: torch.Tensor, w: MoEWeights, cfg: K2Config, on_experts: Callable[[torch.Tensor], None] | None,
-                   use_kernel: bool, dense: ExpertStack | None, add: torch.Tensor | None = None,
-                   add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+                   use_kernel: bool, dense: ExpertStack | None, live_rows: torch.Tensor | None = None,
+                   add: torch.Tensor | None = None, add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Router and this rank's routed experts: x [T, H] -> Σ_k w·expert(x) over local experts [T, H] (see
     `moe_forward` for the paths). add, add_ready: the INT4 kernel's (kernels/moe_w4a16); only that path
     takes them."""
-    topk_ids, topk_weights = route(x, w, cfg, use_kernel)
+    topk_ids, topk_weights = route(x, w, cfg, use_kernel, live_rows)
     if on_experts is not None:
         on_experts(topk_ids)
     if use_kernel and kernel_fits(x, w.experts):
