@@ -252,6 +252,14 @@ def setup_ranks(ep_size: int, one_shot_kb: int):
     return info.rank, info.world_size, functools.partial(ranks.all_reduce, peers=peers), carrier
 
 
+def trace_step(graphs: GraphRunner, host_plan, path: str, say) -> None:
+    """Chrome trace of 5 replays of the graph time_step captured (its routing included) at `path` (every rank
+    replays: the collectives need it), and a summary per step."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for line in step_trace.describe(step_trace.trace_replays(lambda: graphs.forward(host_plan, ()), path)):
+        say(line)
+
+
 def main(args) -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     cfg = k26_config(args.layers)
@@ -290,31 +298,26 @@ def main(args) -> int:
         host_plan = plan_to(plan, "cpu")
         drawn = (uniform_routing(cfg, rows * args.sessions, slowest_of=world if args.routing == "slowest" else 0,
                                  slices=args.expert_slices) if args.routing != "model" else contextlib.nullcontext())
-        with drawn:
+        with drawn:  # the trace too: the graphs replay the draws
             eager, replay = time_step(fast, plan, host_plan, cache.kv, graphs, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
             touched = touched_experts(fast, plan, cache.kv)
-        shape = (cfg, args.layers, held, len(heads), rows * args.sessions, args.prefix * args.sessions)
-        shards = world if split else 1
-        floor = 1e3 * floor_bytes(*shape, split=shards) / bw
-        routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw
-        row = dict(rows=rows, sessions=args.sessions, eager_ms=eager, graph_ms=replay, ref_ms=reference, floor_ms=floor,
-                   touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
-                   pad_rows_routed=args.route_pad_rows,
-                   layers=args.layers, ranks=world, collectives=collectives,
-                   split_replicated=split is not None,
-                   prefix=args.prefix, gpu=torch.cuda.get_device_name())
-        out_rows.append(row)
-        say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
-            f"{floor:>9.3f} {replay / floor:>11.2f} {touched:>7.1f} {routed:>12.3f} {replay / routed:>18.2f}")
-        if args.trace:
-            os.makedirs(args.trace, exist_ok=True)
-            suffix = "" if reduce is identity else f"_rank{rank}"  # every rank replays (the collectives need it)
-            path = os.path.join(args.trace, f"verify_rows{rows}{suffix}.json")
-            # replays of the graph time_step captured (its routing included)
-            summary = step_trace.trace_replays(lambda: graphs.forward(host_plan, ()), path)
-            for line in step_trace.describe(summary):
-                say(line)
+            shape = (cfg, args.layers, held, len(heads), rows * args.sessions, args.prefix * args.sessions)
+            shards = world if split else 1
+            floor = 1e3 * floor_bytes(*shape, split=shards) / bw
+            routed = 1e3 * floor_bytes(*shape, touched=touched, split=shards) / bw
+            out_rows.append(dict(rows=rows, sessions=args.sessions, eager_ms=eager, graph_ms=replay, ref_ms=reference,
+                                 floor_ms=floor, touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
+                                 pad_rows_routed=args.route_pad_rows, layers=args.layers, ranks=world,
+                                 collectives=collectives, split_replicated=split is not None, prefix=args.prefix,
+                                 gpu=torch.cuda.get_device_name()))
+            say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
+                f"{floor:>9.3f} {replay / floor:>11.2f} {touched:>7.1f} {routed:>12.3f} {replay / routed:>18.2f}")
+            if args.trace:
+                suffix = "" if reduce is identity else f"_rank{rank}"
+                trace_step(graphs, host_plan, os.path.join(args.trace, f"verify_rows{rows}{suffix}.json"), say)
+        if args.routing != "model":
+            graphs.drop_all()  # its graphs read this size's draws, freed now: the next size captures its own
     if args.out and rank == 0:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in out_rows)

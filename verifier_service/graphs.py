@@ -107,6 +107,11 @@ class GraphRunner:
         return ForwardOutput(logits=_take(g.out.logits, plan.logit_rows, rows, flat.out_rows[:bucket]),
                              hidden=_take(g.out.hidden, plan.hidden_rows, rows, flat.out_rows[bucket:]))
 
+    def drop_all(self) -> None:
+        """Forget every captured graph: one captured under tensors that are gone reads freed memory (bench verify's
+        drawn routing, whose ids a graph reads where they lay at capture)."""
+        self.graphs.clear()
+
     def _capture(self, bucket: int, seqs: int, pages: int, layer_ids: tuple[int, ...]) -> _Graph:
         static = static_plan(bucket, seqs, pages, self.cache.kv.device)
         fill_plan(static, empty_plan(static), self.pad_slot)
