@@ -111,6 +111,7 @@ class GraphRunner:
         """Forget every captured graph: one captured under tensors that are gone reads freed memory (bench verify's
         drawn routing, whose ids a graph reads where they lay at capture)."""
         self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()  # the old pool dies with its last graph: capturing into it fails
 
     def _capture(self, bucket: int, seqs: int, pages: int, layer_ids: tuple[int, ...]) -> _Graph:
         static = static_plan(bucket, seqs, pages, self.cache.kv.device)
