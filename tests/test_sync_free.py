@@ -267,9 +267,11 @@ def test_padded_plan_equals_unpadded(tiny_model, bucket, max_seqs, pages):
 
 
 def test_padded_plan_pad_rows_route_to_no_expert(tiny_model):
-    """A graph's pad rows (rows from the live count on) choose no expert in any MoE layer, so no rank reads
-    expert weights for them; the live rows choose what the reference path chooses for the unpadded plan."""
-    model = sync_free(tiny_model)
+    """A graph's pad rows (rows from the live count on) choose no expert in any MoE layer on the paths that read
+    experts per id (here the reference loop; on GPU the INT4 kernel), so no rank reads expert weights for them; the
+    live rows choose what they choose in the unpadded plan. (The every-expert path keeps the ids: it computes every
+    expert anyway.)"""
+    model = K2Model(tiny_model.cfg, tiny_model.weights)  # reference path, its own skip_pad_rows switch
     cache, plan = poisoned_session_plan(tiny_model, seed=5, chunk=3)
     pad_slot = cache.table.withhold(1)[0] * cache.page_size
     static = static_plan(64, 8, 8, "cpu")

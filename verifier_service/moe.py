@@ -291,16 +291,19 @@ def routed_experts(x: torch.Tensor, w: MoEWeights, cfg: K2Config, on_experts: Ca
                    add: torch.Tensor | None = None, add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Router and this rank's routed experts: x [T, H] -> Σ_k w·expert(x) over local experts [T, H] (see
     `moe_forward` for the paths). add, add_ready: the INT4 kernel's (kernels/moe_w4a16); only that path
-    takes them."""
-    topk_ids, topk_weights = route(x, w, cfg, use_kernel, live_rows)
+    takes them. live_rows (see `route`) is dropped on the every-expert path, which computes every expert for
+    every row whatever the ids: there skipping pad rows saves nothing and its mask would add launches."""
+    int4 = use_kernel and kernel_fits(x, w.experts)
+    every_expert = not int4 and dense is not None and dense_fits(x.shape[0], dense)
+    topk_ids, topk_weights = route(x, w, cfg, use_kernel, None if every_expert else live_rows)
     if on_experts is not None:
         on_experts(topk_ids)
-    if use_kernel and kernel_fits(x, w.experts):
+    if int4:
         from kernels.moe_w4a16 import moe_w4a16
 
         return moe_w4a16(x, topk_ids, topk_weights, w.experts, add, add_ready)
     assert add is None, "only the INT4 kernel sums `add`"
-    if dense is not None and dense_fits(x.shape[0], dense):
+    if every_expert:
         return moe_experts_dense(x, topk_ids, topk_weights, dense, use_kernel)
     return moe_experts_ref(x, topk_ids, topk_weights, w.experts)
 
