@@ -185,31 +185,30 @@ def to_slowest_rank(ids: torch.Tensor, n: int, world: int, slices: int = 1) -> t
 
 
 @contextlib.contextmanager
-def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0, slices: int = 1):
+def uniform_routing(cfg, rows: int, seed: int = 0, slowest_of: int = 0, slices: int = 1, route_pads: bool = False):
     """`--routing uniform`: each MoE layer's router still runs (its cost stays in the step), but the layer
     takes its top-k ids from a fixed uniform draw per layer and row, made here outside any graph: the
     routing the uniform floor assumes. The synthetic weights route a tree's rows almost alike.
-    A graph pads the rows to its bucket with copies of one dummy row: these route alike, to one more draw of their
-    own (as a served step's pad rows do), or to no expert where the model skips them (the router gets live_rows).
+    A graph pads the rows to its bucket with copies of one dummy row: with `route_pads` (`--route-pad-rows`) these
+    route alike, to one more draw of their own, as pad rows did before session 44; else to no expert (-1), as the
+    model's router gives them. The eager forward takes the first `rows` rows of the same draw.
     `slowest_of` = N ranks (`--routing slowest`): each draw `to_slowest_rank` (experts cut into `slices`)."""
     E, k, pads = cfg.n_routed_experts, cfg.num_experts_per_tok, row_bucket(rows) - rows
     g, g_pad = (torch.Generator(device="cuda").manual_seed(s) for s in (seed, seed + 1))
-    routed, skipped = [], []  # per MoE layer: ids [bucket, k] with the pad rows routed / skipped
+    draws = []  # per MoE layer: ids [bucket, k]
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(i):
             continue
         real = torch.rand(rows, E, generator=g, device="cuda").topk(k).indices
         pad = torch.rand(1, E, generator=g_pad, device="cuda").topk(k).indices.expand(pads, k)
-        with_pads = torch.cat([real, pad])
+        ids = torch.cat([real, pad]) if route_pads else real
         if slowest_of > 1:
-            real, with_pads = (to_slowest_rank(d, E, slowest_of, slices) for d in (real, with_pads))
-        routed.append(with_pads)
-        skipped.append(torch.cat([real, real.new_full((pads, k), -1)]))
+            ids = to_slowest_rank(ids, E, slowest_of, slices)
+        draws.append(ids if route_pads else torch.cat([ids, ids.new_full((pads, k), -1)]))
     calls, real_route = itertools.count(), moe_module.route
 
     def route(x, w, cfg_, use_kernel=False, live_rows=None):
         _, weights = real_route(x, w, cfg_, use_kernel, live_rows)
-        draws = routed if live_rows is None else skipped
         return draws[next(calls) % len(draws)][: x.shape[0]], weights
 
     moe_module.route = route  # moe_forward looks route up at each call
@@ -297,7 +296,8 @@ def main(args) -> int:
         plan = tree_plan(cache, rows, cfg.vocab_size, rng, args.max_context, args.sessions)
         host_plan = plan_to(plan, "cpu")
         drawn = (uniform_routing(cfg, rows * args.sessions, slowest_of=world if args.routing == "slowest" else 0,
-                                 slices=args.expert_slices) if args.routing != "model" else contextlib.nullcontext())
+                                 slices=args.expert_slices, route_pads=args.route_pad_rows)
+                 if args.routing != "model" else contextlib.nullcontext())
         with drawn:  # the trace too: the graphs replay the draws
             eager, replay = time_step(fast, plan, host_plan, cache.kv, graphs, args.iters)
             reference = float("nan") if args.no_reference else time_ms(lambda: ref.forward(plan, cache.kv), 3)
