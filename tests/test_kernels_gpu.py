@@ -62,14 +62,16 @@ def test_moe_w4a16(T, H, I, down_mt, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-@pytest.mark.parametrize("down_mt", [0, 1, 2])  # moe_w4a16.DOWN_MT_T1; 0: the kernel picks from the active count
+# (T1_DOWN, DOWN_MT_T1): moe_t1_down, or moe_gemm's down with 0 (the kernel picks from the active count), 1, 2 pieces
+@pytest.mark.parametrize("t1_down,down_mt", [(True, 0), (False, 0), (False, 1), (False, 2)])
 @pytest.mark.parametrize("n_local", [0, 1, 2, 8])
 @pytest.mark.parametrize("H,I", [(512, 256), (7168, 2048)])
-def test_moe_w4a16_decode(n_local, H, I, down_mt, monkeypatch):
-    """T = 1 with 0, 1, 2 and 8 of its experts on this rank: the down kernel's one- and two-piece
-    paths (chosen on the device when DOWN_MT_T1 = 0) and the no-local-expert zeros."""
+def test_moe_w4a16_decode(n_local, H, I, t1_down, down_mt, monkeypatch):
+    """T = 1 with 0, 1, 2 and 8 of its experts on this rank: moe_t1_down; moe_gemm's down with one and two pieces
+    (chosen on the device when DOWN_MT_T1 = 0); the no-local-expert zeros."""
     import kernels.moe_w4a16 as moe
 
+    monkeypatch.setattr(moe, "T1_DOWN", t1_down)
     monkeypatch.setattr(moe, "DOWN_MT_T1", down_mt)
     E, first = 12, 5
     experts = random_experts(E, H, I, first=first, seed=n_local)
@@ -84,6 +86,32 @@ def test_moe_w4a16_decode(n_local, H, I, down_mt, monkeypatch):
         assert torch.equal(out, torch.zeros_like(out))
     else:
         assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
+
+
+@pytest.mark.parametrize("cpw,warps", [(2, 8), (4, 4), (2, 1)])  # T1_DOWN_CPW, T1_DOWN_WARPS
+@pytest.mark.parametrize("k,n_local", [(8, 3), (1, 1), (4, 4), (16, 9), (32, 32), (40, 3)])
+@pytest.mark.parametrize("H,I", [(384, 128), (7168, 2048)])  # one input chunk of down; K2.6
+def test_moe_w4a16_t1_down(k, n_local, H, I, cpw, warps, monkeypatch):
+    """moe_t1_down (T = 1, whole experts) against the fp32 reference, with `add`: k from 1 to 32 slots (40: past its
+    tables, moe_gemm's down serves it), the down units in one or several batches a warp, and an expert in two slots
+    (two pairs, two act rows)."""
+    import kernels.moe_w4a16 as moe
+
+    monkeypatch.setattr(moe, "T1_DOWN_CPW", cpw)
+    monkeypatch.setattr(moe, "T1_DOWN_WARPS", warps)
+    E, first = 40, 3
+    experts = random_experts(E, H, I, first=first, seed=k + n_local)
+    g = torch.Generator("cuda").manual_seed(k)
+    local = torch.randperm(E, generator=g, device="cuda")[:n_local] + first
+    if n_local >= 2:
+        local[1] = local[0]
+    ids = torch.cat([local, torch.arange(200, 200 + k - n_local, device="cuda")])[torch.randperm(k, device="cuda")]
+    ids, w = ids[None].contiguous(), torch.rand(1, k, generator=g, device="cuda")
+    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    add = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    poison_allocator()
+    assert_close(moe_w4a16(x, ids, w, experts, add=add), moe_w4a16_ref(x, ids, w, experts, add=add), rel=1e-2,
+                 cos=0.9999)
 
 
 @pytest.mark.parametrize("split", [2, 3, 4, 8])
