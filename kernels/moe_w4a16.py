@@ -39,9 +39,9 @@ short a work unit for moe_gemm's down). With `PDL` (on by default) moe_route
 and the two GEMMs use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
 moe_route waits for the router's ids after zeroing its shared counts, gate/up waits for moe_route at its
 start, down streams its first weight stages before it waits for act.
-One token with whole experts (T = 1, S = 1, k <= 32; `T1_DOWN`): the down and the combine are one moe_t1_down
-(moe_w4a16_t1.cu) instead, each block summing w·down(act) over the token's local pairs for its 16 output rows, with
-each lane's weights loaded straight into registers (no ring, no y, no arrival counters).
+One token with whole experts (T = 1, S = 1, k <= 32; `T1_DOWN`, off by default): down and combine are one
+moe_t1_down (moe_w4a16_t1.cu) instead, each block summing w·down(act) over the token's local pairs for its 16
+output rows, each lane's weights loaded straight into registers (no ring, no y, no arrival counters).
 Once enough experts are active, a block streams two 16-row tiles (GATE_UP_TPB, DOWN_TPB), half its warps
 on each, so every warp's cp.async stream runs twice as long; the kernel decides from the active count.
 Optionally (SPLIT_MAX > 1, off by default: slower on the H200) the gate/up K is split over blocks for
@@ -110,7 +110,10 @@ CAT_MAX_TABLES = 40 << 10  # its shared item tables (_cat_tables): two blocks of
 CAT_MAX_T = 64  # above, moe_gemm's down (H100, 4 slices, slowest rank: moe_down_cat 1452 us at 256 tokens)
 # One token with whole experts (T = 1, no slices): moe_t1_down (moe_w4a16_t1.cu) replaces moe_gemm's down and its
 # combine. T1_DOWN_CPW: chunks a warp loads per batch (2 or 4); T1_DOWN_WARPS: warps a block (<= 8).
-T1_DOWN = True
+# Off until measured in this form: its loads and MMAs were measured and tested on an H100 after moe_t1_gate_up
+# (down 6.8 vs 9.8 us at one expert, 15.5 vs 23.4 at three; session 45), but reading moe_route's order after
+# moe_gemm<0> has not run on a GPU yet (no device was lent): tests/test_kernels_gpu.py test_moe_w4a16_t1_down.
+T1_DOWN = False
 T1_DOWN_CPW, T1_DOWN_WARPS = 2, 8
 
 

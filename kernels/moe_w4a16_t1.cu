@@ -5,7 +5,8 @@
 // 16-row tiles through a cp.async ring into an fp32 y per pair, and the tile's last block combines them.
 // Here a block owns 16 output rows for all the token's local pairs: each lane loads its weights straight into
 // registers (LDG.128, a batch of chunks in flight at once), and the block sums w·down(act) itself: no y, no
-// arrival counters. H100, one expert: 6.8 vs 9.8 us; three: 15.5 vs 23.4 (docs/kernel-notes/moe_w4a16.md, session 45).
+// arrival counters. H100, after the register-direct gate/up of session 45: one expert 6.8 vs 9.8 us, three
+// 15.5 vs 23.4 (docs/kernel-notes/moe_w4a16.md, session 45). Behind moe_gemm<0>, as launched now, not yet measured.
 //
 // Weights in the tiled order (verifier_service/int4.py tile_int4): tile p (16 rows) of expert e, chunk c (128
 // inputs) is 256 words [row][16] at ((e·rows/16 + p)·nch + c)·256 and 64 bf16 scales [row][4] at (...)·64, nch =

@@ -97,6 +97,7 @@ def test_moe_w4a16_t1_down(k, n_local, H, I, cpw, warps, monkeypatch):
     (two pairs, two act rows)."""
     import kernels.moe_w4a16 as moe
 
+    monkeypatch.setattr(moe, "T1_DOWN", True)
     monkeypatch.setattr(moe, "T1_DOWN_CPW", cpw)
     monkeypatch.setattr(moe, "T1_DOWN_WARPS", warps)
     E, first = 40, 3
