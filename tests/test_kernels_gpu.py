@@ -134,9 +134,10 @@ def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
+@pytest.mark.parametrize("t1_down", [False, True])  # moe_w4a16.T1_DOWN: the one-token calls' down kernel
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("graph", [False, True])
-def test_moe_w4a16_back_to_back(graph, pdl, monkeypatch):
+def test_moe_w4a16_back_to_back(graph, pdl, t1_down, monkeypatch):
     """Calls queued without a host sync in between (the gate/up and down kernels overlap their
     predecessors through programmatic dependent launch; the sync-every-launch fixture would hide a
     missing wait), eagerly and replayed from a CUDA graph: every result still matches. K2.6 shapes,
@@ -144,6 +145,7 @@ def test_moe_w4a16_back_to_back(graph, pdl, monkeypatch):
     import kernels.moe_w4a16 as moe
 
     monkeypatch.setattr(moe, "PDL", pdl)
+    monkeypatch.setattr(moe, "T1_DOWN", t1_down)
     monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
     experts = random_experts(16, 7168, 2048, first=3, seed=7)
     g = torch.Generator("cuda").manual_seed(7)
