@@ -1,6 +1,7 @@
 // Record of the session-45 experiment (docs/kernel-notes/moe_w4a16.md, session 45): not compiled by the project.
 // Launched by its A/B script through kernels._compile (get_kernels(cuda_source(this text), names)) with grid
-// (I/16, k) x (32, ceil(H/128/CPW)) and H·2 bytes of shared memory for gate/up, H/16 x (32, warps) for down.
+// (I/16, k) x (32, ceil(H/128/CPW)) and H·2 bytes of shared memory; its act [k, I] fed a down kernel of
+// moe_t1_down's design.
 // EXPERIMENT (session 45): one-token routed experts as register-direct GEMVs on the tensor cores.
 // Tiled INT4 (verifier_service/int4.py tile_int4): tile p (16 rows), chunk c (128 inputs): 256 words [row][16],
 // scales 64 bf16 [row][4], at (p * nch + c) * 256 words / * 64 scales.
@@ -150,66 +151,5 @@ __global__ void __launch_bounds__(CPW >= 8 ? 256 : CPW >= 4 ? 512 : 896) moe_gem
   }
 }
 
-// down + combine: grid H/16, block (32, NW). Block p: out rows 16p..16p+15 = add + Σ_y w_y · down_y(act_y); the
-// units (y, c) over the local experts' chunks are dealt to warps round-robin, CPW at a time, all in flight.
-template <int CPW>
-__global__ void __launch_bounds__(256) moe_gemv_down(const u32* __restrict__ Wd, const u16* __restrict__ Sd,
-                                                     const u16* __restrict__ act, const i64* __restrict__ ids,
-                                                     const float* __restrict__ wts, int k, i64 first, int E, int H,
-                                                     int I, const u16* __restrict__ add, u16* __restrict__ out) {
-  __shared__ float red[8][16];
-  __shared__ int es[8];
-  __shared__ float ws[8];
-  const int lane = threadIdx.x, w = threadIdx.y, g = lane >> 2, t = lane & 3, p = blockIdx.x;
-  const int nch = I / 128, NW = blockDim.y;
-  if (w == 0 && lane < k) {  // ids were written before gate/up's wait, which preceded its trigger
-    int j;
-    es[lane] = nth_local(ids, k, first, E, lane, &j);
-    ws[lane] = es[lane] >= 0 ? wts[j] : 0.f;
-  }
-  __syncthreads();
-  const int nl = count_local(ids, k, first, E), units = nl * nch;
-  float acc[2] = {0.f, 0.f};
-  for (int u0 = w * CPW; u0 < units; u0 += NW * CPW) {
-    Chunk ch[CPW];
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      const int u = u0 + i;
-      if (u < units) {
-        const i64 tile = ((i64)es[u / nch] * H / 16 + p) * nch;
-        load_chunk(ch[i], Wd + tile * 256, Sd + tile * 64, u % nch, g, t);
-      }
-    }
-    if (u0 == w * CPW) pdl_wait();
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      const int u = u0 + i;
-      if (u < units) {
-        const int yy = u / nch, c = u % nch;
-        uint4 b[4];
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          uint4 r = make_uint4(0, 0, 0, 0);
-          if (g == t) {
-            const u16* ap = act + (i64)yy * I + c * 128 + 32 * t + 8 * wi;
-            asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ap) : "memory");
-          }
-          b[wi] = perm_x(r);
-        }
-        float a2[2] = {0.f, 0.f};
-        mma_chunk(ch[i], b, a2);
-        acc[0] += ws[yy] * a2[0];
-        acc[1] += ws[yy] * a2[1];
-      }
-    }
-  }
-  if (units <= w * CPW) pdl_wait();  // warps without work still order the output after gate/up
-  quad_sum(acc);
-  if (t == 0) red[w][g] = acc[0], red[w][g + 8] = acc[1];
-  __syncthreads();
-  if (w == 0 && lane < 16) {
-    float s = add ? bf2f(add[p * 16 + lane]) : 0.f;
-    for (int v = 0; v < NW; ++v) s += red[v][lane];
-    out[p * 16 + lane] = f2bf(s);
-  }
-}
+// The experiment's down kernel (moe_gemv_down) is the same design as kernels/moe_w4a16_t1.cu moe_t1_down, which finds
+// its pairs from moe_route's order instead of scanning the ids: see that file.
