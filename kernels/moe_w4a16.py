@@ -39,9 +39,9 @@ short a work unit for moe_gemm's down). With `PDL` (on by default) moe_route
 and the two GEMMs use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
 moe_route waits for the router's ids after zeroing its shared counts, gate/up waits for moe_route at its
 start, down streams its first weight stages before it waits for act.
-One token with whole experts (T = 1, S = 1, k <= 32; `T1_DOWN`, off by default): down and combine are one
-moe_t1_down (moe_w4a16_t1.cu) instead, each block summing w·down(act) over the token's local pairs for its 16
-output rows, each lane's weights loaded straight into registers (no ring, no y, no arrival counters).
+Few tokens with whole experts (T <= FEW_DOWN_T, S = 1, T·k <= 256; `FEW_DOWN`, off by default): down and combine
+are one moe_few_down (moe_w4a16_few.cu) instead, each block summing w·down(act) over every local item for its 16
+output rows of every token, each lane's weights loaded straight into registers (no ring, no y, no arrival counters).
 Once enough experts are active, a block streams two 16-row tiles (GATE_UP_TPB, DOWN_TPB), half its warps
 on each, so every warp's cp.async stream runs twice as long; the kernel decides from the active count.
 Optionally (SPLIT_MAX > 1, off by default: slower on the H200) the gate/up K is split over blocks for
@@ -58,12 +58,12 @@ import torch
 
 from kernels._compile import cuda_source, device_limits, get_kernels, launch
 
-CODE = ("moe_w4a16.cu", "moe_w4a16_t1.cu")
+CODE = ("moe_w4a16.cu", "moe_w4a16_few.cu")
 # moe_gemm<MODE, NT, OCC, DMT, ST>: every kernel with 3 stages; with 2, those of one token tile (T <= STAGES_FEW_T)
 _GEMMS_1T = ("0, 1, 2, 1", "1, 1, 2, 1", "1, 1, 4, 1", "1, 1, 2, 2", "1, 1, 2, 0")  # one token tile (NT = 1)
 NAMES = ("moe_route", *(f"moe_gemm<{m}, 3>" for m in (*_GEMMS_1T, "0, 2, 2, 1", "1, 2, 2, 1", "1, 2, 2, 2")),
          *(f"moe_gemm<{m}, 2>" for m in _GEMMS_1T), "moe_combine", "moe_down_cat<2, 2>", "moe_down_cat<2, 3>",
-         "moe_t1_down<2>", "moe_t1_down<4>")
+         "moe_few_down<2>", "moe_few_down<4>")
 CHUNK = 128  # inputs per chunk: must match the .cu (32 * CG)
 # cp.async stages per warp (ST): 3; 2 up to STAGES_FEW_T tokens. H200, tiled weights: 3 beats 4 by 1-3 % and 5 loses
 # 2-5 % (session 19); 2 gains 1-3 % at 1-8 experts with few tokens but loses 1-2 % at 55 experts and routed 16-64 rows.
@@ -108,13 +108,16 @@ DOWN_CAT = "slices"
 CAT_ZMAX = 8  # most K-split blocks per output tile
 CAT_MAX_TABLES = 40 << 10  # its shared item tables (_cat_tables): two blocks of 8 warps, 3 stages, fit an SM
 CAT_MAX_T = 64  # above, moe_gemm's down (H100, 4 slices, slowest rank: moe_down_cat 1452 us at 256 tokens)
-# One token with whole experts (T = 1, no slices): moe_t1_down (moe_w4a16_t1.cu) replaces moe_gemm's down and its
-# combine. T1_DOWN_CPW: chunks a warp loads per batch (2 or 4); T1_DOWN_WARPS: warps a block (<= 8).
-# Off until measured in this form: its loads and MMAs were measured and tested on an H100 after moe_t1_gate_up
-# (down 6.8 vs 9.8 us at one expert, 15.5 vs 23.4 at three; session 45), but reading moe_route's order after
-# moe_gemm<0> has not run on a GPU yet (no device was lent): tests/test_kernels_gpu.py test_moe_w4a16_t1_down.
-T1_DOWN = False
-T1_DOWN_CPW, T1_DOWN_WARPS = 2, 8
+# Few tokens with whole experts (T <= FEW_DOWN_T, no slices): moe_few_down (moe_w4a16_few.cu) replaces moe_gemm's
+# down and its combine. FEW_DOWN_CPW: chunks a warp loads per batch (2 or 4); FEW_DOWN_WARPS: warps a block (<= 8).
+# Off until measured in this form: its one-token loads and MMAs were measured and tested on an H100 after a
+# register-direct gate/up (down 6.8 vs 9.8 us at one expert, 15.5 vs 23.4 at three; session 45), but this kernel
+# (work items, two rows per n-tile, per-token sums) has not run on a GPU yet: tests/test_kernels_gpu.py
+# test_moe_w4a16_few_down.
+FEW_DOWN = False
+FEW_DOWN_T = 32  # <= FEW_T of the .cu
+FEW_DOWN_CPW, FEW_DOWN_WARPS = 2, 8
+_FEW_ROWS = 256  # FEW_ROWS of the .cu: most local pairs
 
 
 def _stage_bytes(mt: int) -> int:
@@ -138,7 +141,8 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     assert H % CHUNK == 0 and I % CHUNK == 0, (H, I)
     # block_sum: tiles per block x NT <= warps
     assert min(GATE_UP_WARPS, GATE_UP_WARPS_FEW) >= 2 and DOWN_WARPS >= 4 and DOWN_WARPS % 2 == 0
-    assert 1 <= T1_DOWN_WARPS <= 8 and T1_DOWN_CPW in (2, 4)  # moe_t1_down: red[8][16], the CPWs compiled
+    assert 1 <= FEW_DOWN_WARPS <= 8 and FEW_DOWN_CPW in (2, 4)  # moe_few_down: red[8][..], the CPWs compiled
+    assert FEW_DOWN_T <= 32  # red[..][FEW_T][16]
     out = torch.empty_like(x)
     if T * k == 0:
         _wait(add_ready)
@@ -163,8 +167,8 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     sizes = (2 * blocks_y, E + 1, 1, P, blocks_y * (I // 16) + down_cnt)
     items, offsets, num_items, order, counters = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
-    t1 = T1_DOWN and T == 1 and S == 1 and k <= 32 and not cat
-    y = None if cat or t1 else torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
+    few = FEW_DOWN and S == 1 and T <= FEW_DOWN_T and P <= _FEW_ROWS and not cat
+    y = None if cat or few else torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
     part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
     launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, S, W, 8 * nt, offsets, order, items, num_items,
            counters, counters.numel(), smem=8 * E, pdl=PDL)
@@ -181,10 +185,10 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
             _down_cat(ker, down, act, x, T, k, offsets, order, items, num_items, blocks_y, 8 * nt, cat_tiles,
                       counters[gate_cnt:], 2 * slots[1], topk_weights, S, add, out, st)
             return out
-        if mode == 1 and t1:
+        if mode == 1 and few:
             _wait(add_ready)
-            launch(ker[f"moe_t1_down<{T1_DOWN_CPW}>"], (H // 16,), (32, T1_DOWN_WARPS), down.packed, down.scale, act,
-                   topk_ids, topk_weights, offsets, order, first, E, H, I, add, out, pdl=PDL)
+            launch(ker[f"moe_few_down<{FEW_DOWN_CPW}>"], (H // 16,), (32, FEW_DOWN_WARPS), down.packed, down.scale,
+                   act, topk_weights, offsets, order, items, num_items, 8 * nt, k, E, T, H, I, add, out, pdl=PDL)
             return out
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         if mode == 1:

@@ -62,16 +62,16 @@ def test_moe_w4a16(T, H, I, down_mt, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-# (T1_DOWN, DOWN_MT_T1): moe_t1_down, or moe_gemm's down with 0 (the kernel picks from the active count), 1, 2 pieces
-@pytest.mark.parametrize("t1_down,down_mt", [(True, 0), (False, 0), (False, 1), (False, 2)])
+# (FEW_DOWN, DOWN_MT_T1): moe_few_down, or moe_gemm's down with 0 (the kernel picks from the active count), 1, 2 pieces
+@pytest.mark.parametrize("few_down,down_mt", [(True, 0), (False, 0), (False, 1), (False, 2)])
 @pytest.mark.parametrize("n_local", [0, 1, 2, 8])
 @pytest.mark.parametrize("H,I", [(512, 256), (7168, 2048)])
-def test_moe_w4a16_decode(n_local, H, I, t1_down, down_mt, monkeypatch):
-    """T = 1 with 0, 1, 2 and 8 of its experts on this rank: moe_t1_down; moe_gemm's down with one and two pieces
+def test_moe_w4a16_decode(n_local, H, I, few_down, down_mt, monkeypatch):
+    """T = 1 with 0, 1, 2 and 8 of its experts on this rank: moe_few_down; moe_gemm's down with one and two pieces
     (chosen on the device when DOWN_MT_T1 = 0); the no-local-expert zeros."""
     import kernels.moe_w4a16 as moe
 
-    monkeypatch.setattr(moe, "T1_DOWN", t1_down)
+    monkeypatch.setattr(moe, "FEW_DOWN", few_down)
     monkeypatch.setattr(moe, "DOWN_MT_T1", down_mt)
     E, first = 12, 5
     experts = random_experts(E, H, I, first=first, seed=n_local)
@@ -88,28 +88,32 @@ def test_moe_w4a16_decode(n_local, H, I, t1_down, down_mt, monkeypatch):
         assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-@pytest.mark.parametrize("cpw,warps", [(2, 8), (4, 4), (2, 1)])  # T1_DOWN_CPW, T1_DOWN_WARPS
-@pytest.mark.parametrize("k,n_local", [(8, 3), (1, 1), (4, 4), (16, 9), (32, 32), (40, 3)])
+@pytest.mark.parametrize("cpw,warps", [(2, 8), (4, 4), (2, 1)])  # FEW_DOWN_CPW, FEW_DOWN_WARPS
+# T·k up to 256 local pairs (its tables); (33, 8) and (24, 12) are past them: moe_gemm's down serves those
+@pytest.mark.parametrize("T,k", [(1, 8), (1, 1), (1, 32), (2, 8), (3, 8), (9, 8), (16, 8), (32, 8), (33, 8), (24, 12)])
 @pytest.mark.parametrize("H,I", [(384, 128), (7168, 2048)])  # one input chunk of down; K2.6
-def test_moe_w4a16_t1_down(k, n_local, H, I, cpw, warps, monkeypatch):
-    """moe_t1_down (T = 1, whole experts) against the fp32 reference, with `add`: k from 1 to 32 slots (40: past its
-    tables, moe_gemm's down serves it), the down units in one or several batches a warp, and an expert in two slots
-    (two pairs, two act rows)."""
+def test_moe_w4a16_few_down(T, k, H, I, cpw, warps, monkeypatch):
+    """moe_few_down (few tokens, whole experts) against the fp32 reference, with `add`. Routing: about half of each
+    token's experts on this rank; one expert takes every token (several work items of 8 rows, an odd last one); token
+    0 holds that expert in two slots (two rows of one token in one item); the last token (T >= 3) has no local expert
+    (its output is `add`). The down units in one or several batches a warp."""
     import kernels.moe_w4a16 as moe
 
-    monkeypatch.setattr(moe, "T1_DOWN", True)
-    monkeypatch.setattr(moe, "T1_DOWN_CPW", cpw)
-    monkeypatch.setattr(moe, "T1_DOWN_WARPS", warps)
-    E, first = 40, 3
-    experts = random_experts(E, H, I, first=first, seed=k + n_local)
-    g = torch.Generator("cuda").manual_seed(k)
-    local = torch.randperm(E, generator=g, device="cuda")[:n_local] + first
-    if n_local >= 2:
-        local[1] = local[0]
-    ids = torch.cat([local, torch.arange(200, 200 + k - n_local, device="cuda")])[torch.randperm(k, device="cuda")]
-    ids, w = ids[None].contiguous(), torch.rand(1, k, generator=g, device="cuda")
-    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
-    add = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    monkeypatch.setattr(moe, "FEW_DOWN", True)
+    monkeypatch.setattr(moe, "FEW_DOWN_CPW", cpw)
+    monkeypatch.setattr(moe, "FEW_DOWN_WARPS", warps)
+    E, first, hot = 40, 3, 10
+    experts = random_experts(E, H, I, first=first, seed=T * 100 + k)
+    g = torch.Generator("cuda").manual_seed(T * 100 + k)
+    ids = torch.stack([torch.randperm(2 * E, generator=g, device="cuda")[:k] for _ in range(T)])  # local: 3..42
+    ids[:, 0] = hot
+    if k >= 2:
+        ids[0, 1] = hot
+    if T >= 3:
+        ids[T - 1] = torch.arange(100, 100 + k, device="cuda")
+    w = torch.rand(T, k, generator=g, device="cuda")
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    add = torch.randn(T, H, generator=g, device="cuda").bfloat16()
     poison_allocator()
     assert_close(moe_w4a16(x, ids, w, experts, add=add), moe_w4a16_ref(x, ids, w, experts, add=add), rel=1e-2,
                  cos=0.9999)
@@ -134,10 +138,10 @@ def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-@pytest.mark.parametrize("t1_down", [False, True])  # moe_w4a16.T1_DOWN: the one-token calls' down kernel
+@pytest.mark.parametrize("few_down", [False, True])  # moe_w4a16.FEW_DOWN: the down kernel up to 32 tokens
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("graph", [False, True])
-def test_moe_w4a16_back_to_back(graph, pdl, t1_down, monkeypatch):
+def test_moe_w4a16_back_to_back(graph, pdl, few_down, monkeypatch):
     """Calls queued without a host sync in between (the gate/up and down kernels overlap their
     predecessors through programmatic dependent launch; the sync-every-launch fixture would hide a
     missing wait), eagerly and replayed from a CUDA graph: every result still matches. K2.6 shapes,
@@ -145,7 +149,7 @@ def test_moe_w4a16_back_to_back(graph, pdl, t1_down, monkeypatch):
     import kernels.moe_w4a16 as moe
 
     monkeypatch.setattr(moe, "PDL", pdl)
-    monkeypatch.setattr(moe, "T1_DOWN", t1_down)
+    monkeypatch.setattr(moe, "FEW_DOWN", few_down)
     monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
     experts = random_experts(16, 7168, 2048, first=3, seed=7)
     g = torch.Generator("cuda").manual_seed(7)
