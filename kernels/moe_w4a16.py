@@ -39,8 +39,8 @@ short a work unit for moe_gemm's down). With `PDL` (on by default) moe_route
 and the two GEMMs use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
 moe_route waits for the router's ids after zeroing its shared counts, gate/up waits for moe_route at its
 start, down streams its first weight stages before it waits for act.
-Few tokens with whole experts (T <= FEW_DOWN_T, S = 1, T·k <= 256; `FEW_DOWN`, off by default): down and combine
-are one moe_few_down (moe_w4a16_few.cu) instead, each block summing w·down(act) over every local item for its 16
+Few tokens (T <= FEW_DOWN_T, at most 256 local pairs; `FEW_DOWN`, off by default), whole or sliced experts: down and
+combine are one moe_few_down (moe_w4a16_few.cu) instead, each block summing w·down(act) over every local item for its 16
 output rows of every token, each lane's weights loaded straight into registers (no ring, no y, no arrival counters).
 Once enough experts are active, a block streams two 16-row tiles (GATE_UP_TPB, DOWN_TPB), half its warps
 on each, so every warp's cp.async stream runs twice as long; the kernel decides from the active count.
@@ -108,8 +108,8 @@ DOWN_CAT = "slices"
 CAT_ZMAX = 8  # most K-split blocks per output tile
 CAT_MAX_TABLES = 40 << 10  # its shared item tables (_cat_tables): two blocks of 8 warps, 3 stages, fit an SM
 CAT_MAX_T = 64  # above, moe_gemm's down (H100, 4 slices, slowest rank: moe_down_cat 1452 us at 256 tokens)
-# Few tokens with whole experts (T <= FEW_DOWN_T, no slices): moe_few_down (moe_w4a16_few.cu) replaces moe_gemm's
-# down and its combine. FEW_DOWN_CPW: chunks a warp loads per batch (2 or 4); FEW_DOWN_WARPS: warps a block (<= 8).
+# Few tokens (T <= FEW_DOWN_T, whole or sliced experts): moe_few_down (moe_w4a16_few.cu) replaces moe_gemm's down
+# (or moe_down_cat) and its combine. FEW_DOWN_CPW: chunks a warp loads per batch (2 or 4); FEW_DOWN_WARPS: warps a block (<= 8).
 # Off until measured in this form: its one-token loads and MMAs were measured and tested on an H100 after a
 # register-direct gate/up (down 6.8 vs 9.8 us at one expert, 15.5 vs 23.4 at three; session 45), but this kernel
 # (work items, two rows per n-tile, per-token sums) has not run on a GPU yet: tests/test_kernels_gpu.py
@@ -160,14 +160,14 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     fuse = T <= FUSE_COMBINE_T
     # items (e, first row) pairs first (8-byte aligned), then offsets, the item count, order, and the arrival
     # counters (gate/up tiles, then down tiles)
-    cat = ((DOWN_CAT is True or (DOWN_CAT == "slices" and S > 1))
-           and T <= CAT_MAX_T and _cat_tables(blocks_y) <= CAT_MAX_TABLES)
+    few = FEW_DOWN and T <= FEW_DOWN_T and local <= _FEW_ROWS
+    cat = not few and ((DOWN_CAT is True or (DOWN_CAT == "slices" and S > 1))
+                       and T <= CAT_MAX_T and _cat_tables(blocks_y) <= CAT_MAX_TABLES)
     cat_tiles = H // 32 * -(-T // 8)  # moe_down_cat's row tiles x token tiles, one arrival counter each
     down_cnt = max(H // 16, cat_tiles) if cat else H // 16
     sizes = (2 * blocks_y, E + 1, 1, P, blocks_y * (I // 16) + down_cnt)
     items, offsets, num_items, order, counters = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)  # rows in expert-sorted order
-    few = FEW_DOWN and S == 1 and T <= FEW_DOWN_T and P <= _FEW_ROWS and not cat
     y = None if cat or few else torch.empty(P, H, dtype=torch.float32, device=dev)  # rows by pair index t*k + s
     part = torch.empty(smax * P * 2 * I if smax > 1 else 1, dtype=torch.float32, device=dev)
     launch(ker["moe_route"], 1, 1024, topk_ids, P, first, E, S, W, 8 * nt, offsets, order, items, num_items,
@@ -188,7 +188,7 @@ def moe_w4a16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         if mode == 1 and few:
             _wait(add_ready)
             launch(ker[f"moe_few_down<{FEW_DOWN_CPW}>"], (H // 16,), (32, FEW_DOWN_WARPS), down.packed, down.scale,
-                   act, topk_weights, offsets, order, items, num_items, 8 * nt, k, E, T, H, I, add, out, pdl=PDL)
+                   act, topk_weights, offsets, order, items, num_items, 8 * nt, k, S, E, T, H, I, add, out, pdl=PDL)
             return out
         mt = 1 if mode == 0 else DOWN_MT if T > 1 else DOWN_MT_T1
         if mode == 1:

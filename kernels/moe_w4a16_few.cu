@@ -1,4 +1,4 @@
-// moe_w4a16's down GEMM for few tokens (T <= FEW_T, whole experts): moe_few_down replaces moe_gemm<1> and its fused
+// moe_w4a16's down GEMM for few tokens (T <= FEW_T): moe_few_down replaces moe_gemm<1> and its fused
 // combine. Compiled after moe_w4a16.cu as one unit (dequant, local_expert, ld_after_wait come from there).
 //
 // Why: few tokens route 1-2 tokens to each of their local experts (a tree of 16 rows at EP 7: ~16-20 experts on the
@@ -81,7 +81,9 @@ __device__ __forceinline__ void few_mma(const FewChunk& ch, const uint4 (&b)[4],
 
 // down + the weighted combine after moe_route and moe_gemm<0>: grid H/16, block (32, NW <= 8). Block p writes
 // out[τ][16p .. 16p+15] = bf16(add[τ] + Σ_r w_r · down_r(act_r)) for every token τ < T, over act's rows r of moe_route's
-// work items (e, j0): rows offsets[e] + j0 .. + min(tt, count_e - j0) - 1, whose pair order[r] = τ·k + j. The units
+// work items (e, j0): rows offsets[e] + j0 .. + min(tt, count_e - j0) - 1, whose pair order[r] = τ·k + j (k counts
+// slices: j = j'·S + s for slice s of the token's j'-th expert, weighted by that expert's router weight wts[τ·k/S + j']).
+// Sliced experts (S > 1) are local experts with I = I_expert / S: nothing else changes. The units
 // (item, chunk) are dealt to the warps CPW at a time (warp w: units w·CPW.., then + NW·CPW), each batch loaded before
 // its MMAs; the first batch's weights are in flight before the wait for gate/up. A unit's rows go two per n-tile
 // through its loaded weights. Sums, in fixed orders (deterministic): per warp in unit order into red[w][τ], then over
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(256) moe_few_down(const u32* __restrict__ Wd, 
                                                     const u16* __restrict__ act, const float* __restrict__ wts,
                                                     const int* __restrict__ offsets, const int* __restrict__ order,
                                                     const int2* __restrict__ items, const int* __restrict__ num_items,
-                                                    int tt, int k, int E, int T, int H, int I,
+                                                    int tt, int k, int S, int E, int T, int H, int I,
                                                     const u16* __restrict__ add, u16* __restrict__ out) {
   __shared__ float red[8][FEW_T][16];
   __shared__ int item_tile[FEW_ROWS], item_row[FEW_ROWS], item_rows[FEW_ROWS];
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(256) moe_few_down(const u32* __restrict__ Wd, 
   for (int r = tid; r < rows; r += nthr) {
     const int pair = order[r];
     row_tok[r] = pair / k;
-    row_w[r] = wts[pair];
+    row_w[r] = wts[pair / S];
   }
   for (int i = tid; i < NW * T * 16; i += nthr) (&red[0][0][0])[i / (T * 16) * FEW_T * 16 + i % (T * 16)] = 0.f;
   __syncthreads();

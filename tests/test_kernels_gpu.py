@@ -188,7 +188,8 @@ def test_moe_w4a16_many_local_experts(T, E):
 
 @pytest.mark.parametrize("S,world", [(2, 7), (4, 7), (8, 7), (4, 3)])
 @pytest.mark.parametrize("T", [1, 5, 16, 32, 40, 100])
-@pytest.mark.parametrize("down_cat", ["slices", False])  # the down GEMM: moe_down_cat, or moe_gemm per item
+# the down GEMM: moe_down_cat, moe_gemm per item, or moe_few_down (up to 32 tokens; 40 and 100 take moe_gemm)
+@pytest.mark.parametrize("down_cat", ["slices", False, "few"])
 def test_moe_w4a16_expert_slices(T, S, world, down_cat, monkeypatch):
     """Experts cut into S slices dealt over the ranks (verifier_service.expert_shard.ExpertShard): the ranks' kernel outputs
     sum to the fp32 reference of the whole experts (an independent layout: whole matrices, one rank). T = 100
@@ -198,7 +199,8 @@ def test_moe_w4a16_expert_slices(T, S, world, down_cat, monkeypatch):
     from verifier_service.moe import ExpertStack
     import kernels.moe_w4a16 as moe
 
-    monkeypatch.setattr(moe, "DOWN_CAT", down_cat)
+    monkeypatch.setattr(moe, "DOWN_CAT", down_cat != "few" and down_cat)
+    monkeypatch.setattr(moe, "FEW_DOWN", down_cat == "few")
     n, H, I, k = 24, 512, 1024, 8
     full = random_experts(n, H, I, seed=T + S)
     whole = ExpertStack(Int4Weight(full.gate_proj.packed, full.gate_proj.scale, (I, H), True),
