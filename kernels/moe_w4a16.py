@@ -39,7 +39,7 @@ short a work unit for moe_gemm's down). With `PDL` (on by default) moe_route
 and the two GEMMs use programmatic dependent launch (sm_90+): each becomes resident while its predecessor runs;
 moe_route waits for the router's ids after zeroing its shared counts, gate/up waits for moe_route at its
 start, down streams its first weight stages before it waits for act.
-Few tokens (T <= FEW_DOWN_T, at most 256 local pairs; `FEW_DOWN`, off by default), whole or sliced experts: down and
+Few tokens (T <= FEW_DOWN_T = 2 by default, at most 256 local pairs; `FEW_DOWN`), whole or sliced experts: down and
 combine are one moe_few_down (moe_w4a16_few.cu) instead, each block summing w·down(act) over every local item for its 16
 output rows of every token, each lane's weights loaded straight into registers (no ring, no y, no arrival counters).
 Once enough experts are active, a block streams two 16-row tiles (GATE_UP_TPB, DOWN_TPB), half its warps
@@ -109,14 +109,17 @@ CAT_ZMAX = 8  # most K-split blocks per output tile
 CAT_MAX_TABLES = 40 << 10  # its shared item tables (_cat_tables): two blocks of 8 warps, 3 stages, fit an SM
 CAT_MAX_T = 64  # above, moe_gemm's down (H100, 4 slices, slowest rank: moe_down_cat 1452 us at 256 tokens)
 # Few tokens (T <= FEW_DOWN_T, whole or sliced experts): moe_few_down (moe_w4a16_few.cu) replaces moe_gemm's down
-# (or moe_down_cat) and its combine. FEW_DOWN_CPW: chunks a warp loads per batch (2 or 4); FEW_DOWN_WARPS: warps a block (<= 8).
-# Off until measured in this form: its one-token loads and MMAs were measured and tested on an H100 after a
-# register-direct gate/up (down 6.8 vs 9.8 us at one expert, 15.5 vs 23.4 at three; session 45), but this kernel
-# (work items, two rows per n-tile, per-token sums) has not run on a GPU yet: tests/test_kernels_gpu.py
-# test_moe_w4a16_few_down.
-FEW_DOWN = False
-FEW_DOWN_T = 32  # <= FEW_T of the .cu
-FEW_DOWN_CPW, FEW_DOWN_WARPS = 2, 8
+# (or moe_down_cat) and its combine. FEW_DOWN_CPW: chunks a warp loads per batch (2 or 4); FEW_DOWN_WARPS: warps a
+# block (<= 8). H100, slowest of 7 ranks, moe_w4a16 with add (session 46), us, moe_gemm's down -> 4 x 4:
+# T = 1 (1 / 3 / 8 experts) 22.2 -> 20.3, 46.9 -> 41.2, 100.7 -> 94.0; T = 2 / 4 / 8 57.8 -> 52.5, 90.0 -> 81.7,
+# 149.0 -> 142.1; but T = 16 242.5 -> 251.0 and 32 314.3 -> 337.8 (its n-tiles of two rows re-read act and redo the
+# MMAs where experts hold more tokens). 2 x 8, 2 x 4, 4 x 8 and 4 x 2 were slower than 4 x 4. Those T = 2-8 rows spread
+# 1-2 tokens over each expert; with 4 tokens on each of 8 experts (`bench kernels`, T=4 experts=8) its down took
+# 70.8 us, moe_gemm's ~40. Up to 2 tokens no routing gives an expert more than one n-tile (two rows), hence
+# FEW_DOWN_T = 2 until the kernel handles more rows per expert (docs/kernel-notes/moe_w4a16.md, session 46).
+FEW_DOWN = True
+FEW_DOWN_T = 2  # <= FEW_T (32) of the .cu
+FEW_DOWN_CPW, FEW_DOWN_WARPS = 4, 4
 _FEW_ROWS = 256  # FEW_ROWS of the .cu: most local pairs
 
 

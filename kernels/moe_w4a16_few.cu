@@ -5,9 +5,10 @@
 // slowest rank), and the down GEMM is short (K = I = 16 chunks of 128). moe_gemm<1> streams each item's 16-row tiles
 // through a cp.async ring into an fp32 y per pair, and a tile's last block combines them. Here a block owns 16 output
 // rows for every local item: each lane loads its weights straight into registers (LDG.128, a batch of chunks in
-// flight at once), and the block sums w·down(act) per token itself: no y, no arrival counters. H100, one token, after
-// the register-direct gate/up of session 45: one expert 6.8 vs 9.8 us, three 15.5 vs 23.4 (docs/kernel-notes/
-// moe_w4a16.md, session 45).
+// flight at once), and the block sums w·down(act) per token itself: no y, no arrival counters. H100, slowest of 7
+// ranks, the whole MoE call (session 46): T = 1 with 1 / 3 / 8 experts 22.2 -> 20.3, 46.9 -> 41.2, 100.7 -> 94.0 us;
+// T = 2 57.8 -> 52.5. An item of more rows costs one n-tile (two rows) each, act re-read and the MMAs redone: 4 tokens
+// on each of 8 experts lose (docs/kernel-notes/moe_w4a16.md, session 46).
 //
 // Weights in the tiled order (verifier_service/int4.py tile_int4): tile p (16 rows) of expert e, chunk c (128
 // inputs) is 256 words [row][16] at ((e·rows/16 + p)·nch + c)·256 and 64 bf16 scales [row][4] at (...)·64, nch =

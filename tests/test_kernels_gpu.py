@@ -100,6 +100,7 @@ def test_moe_w4a16_few_down(T, k, H, I, cpw, warps, monkeypatch):
     import kernels.moe_w4a16 as moe
 
     monkeypatch.setattr(moe, "FEW_DOWN", True)
+    monkeypatch.setattr(moe, "FEW_DOWN_T", 32)  # the kernel's whole range, not only the default's
     monkeypatch.setattr(moe, "FEW_DOWN_CPW", cpw)
     monkeypatch.setattr(moe, "FEW_DOWN_WARPS", warps)
     E, first, hot = 40, 3, 10
@@ -138,7 +139,7 @@ def test_moe_w4a16_split_k(T, H, I, split, monkeypatch):
     assert_close(out, moe_w4a16_ref(x, ids, w, experts), rel=1e-2, cos=0.9999)
 
 
-@pytest.mark.parametrize("few_down", [False, True])  # moe_w4a16.FEW_DOWN: the down kernel up to 32 tokens
+@pytest.mark.parametrize("few_down", [False, True])  # moe_w4a16.FEW_DOWN: the down kernel up to FEW_DOWN_T tokens
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("graph", [False, True])
 def test_moe_w4a16_back_to_back(graph, pdl, few_down, monkeypatch):
@@ -150,6 +151,7 @@ def test_moe_w4a16_back_to_back(graph, pdl, few_down, monkeypatch):
 
     monkeypatch.setattr(moe, "PDL", pdl)
     monkeypatch.setattr(moe, "FEW_DOWN", few_down)
+    monkeypatch.setattr(moe, "FEW_DOWN_T", 32)  # T = 1..16 through it, 40 through moe_gemm
     monkeypatch.delenv("DDTREE_KERNEL_SYNC", raising=False)
     experts = random_experts(16, 7168, 2048, first=3, seed=7)
     g = torch.Generator("cuda").manual_seed(7)
@@ -201,6 +203,7 @@ def test_moe_w4a16_expert_slices(T, S, world, down_cat, monkeypatch):
 
     monkeypatch.setattr(moe, "DOWN_CAT", down_cat != "few" and down_cat)
     monkeypatch.setattr(moe, "FEW_DOWN", down_cat == "few")
+    monkeypatch.setattr(moe, "FEW_DOWN_T", 32)
     n, H, I, k = 24, 512, 1024, 8
     full = random_experts(n, H, I, seed=T + S)
     whole = ExpertStack(Int4Weight(full.gate_proj.packed, full.gate_proj.scale, (I, H), True),
