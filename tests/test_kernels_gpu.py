@@ -230,6 +230,7 @@ def test_moe_w4a16_down_cat(T, n_ids, with_add, monkeypatch):
     import kernels.moe_w4a16 as moe
 
     monkeypatch.setattr(moe, "DOWN_CAT", True)
+    monkeypatch.setattr(moe, "FEW_DOWN", False)  # moe_few_down would take T <= FEW_DOWN_T before moe_down_cat
     E, first, k = 12, 5, 8
     experts = random_experts(E, 512, 256, first=first, seed=T + n_ids)
     g = torch.Generator("cuda").manual_seed(T + n_ids)
