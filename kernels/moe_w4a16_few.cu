@@ -116,7 +116,10 @@ __global__ void __launch_bounds__(256) moe_few_down(const u32* __restrict__ Wd, 
     row_tok[r] = pair / k;
     row_w[r] = wts[pair / S];
   }
-  for (int i = tid; i < NW * T * 16; i += nthr) (&red[0][0][0])[i / (T * 16) * FEW_T * 16 + i % (T * 16)] = 0.f;
+  for (int i = tid; i < NW * T * 16; i += nthr) {  // red[v][τ][j] = 0 for the warps v and tokens τ in use
+    const int v = i / (T * 16), tau = i / 16 % T, j = i % 16;
+    red[v][tau][j] = 0.f;
+  }
   __syncthreads();
   const int units = ni * nch;
   float(*mine)[16] = red[w];
