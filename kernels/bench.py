@@ -405,11 +405,16 @@ def bench_linear_bf16(copy_bw: float) -> list[dict]:
     return rows
 
 
-def main(preset: str = "k26", out: str | None = None, only: str | None = None) -> int:
+def main(preset: str = "k26", out: str | None = None, only: str | None = None,
+         settings: list[str] | None = None) -> int:
+    from kernels import overrides
+
     assert preset == "k26" and torch.cuda.is_available(), "needs a CUDA GPU"
+    applied = overrides.apply(settings)
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)"
+          + "".join(f"  --set {a}" for a in applied))
     rows = []
     from kernels.bench_drafter import bench_ddtree, bench_dflash, bench_linear_int8
 
@@ -431,5 +436,6 @@ def main(preset: str = "k26", out: str | None = None, only: str | None = None) -
             print(f"# {r['kernel']} {r['case']}: {r['breakdown_us']}")
     if out:
         with open(out, "w") as f:
-            f.writelines(json.dumps(dict(r, copy_GBs=bw / 1e9, gpu=torch.cuda.get_device_name())) + "\n" for r in rows)
+            f.writelines(json.dumps(dict(r, copy_GBs=bw / 1e9, gpu=torch.cuda.get_device_name(), overrides=applied))
+                         + "\n" for r in rows)
     return 0

@@ -41,7 +41,7 @@ def _check_cmd(args) -> int:
 def _bench_cmd(args) -> int:
     from kernels import bench
 
-    return bench.main(args.preset, args.out, getattr(args, "only", None))
+    return bench.main(args.preset, args.out, getattr(args, "only", None), getattr(args, "set", None))
 
 
 def add_parser(sub) -> None:
@@ -53,14 +53,20 @@ def add_parser(sub) -> None:
     c.set_defaults(func=_check_cmd)
 
 
+def add_set_argument(p) -> None:
+    """`--set MODULE.FLAG=VALUE` (kernels/overrides.py), repeatable: a kernel variant of a bench run."""
+    p.add_argument("--set", action="append", metavar="MODULE.FLAG=VALUE",
+                   help="set a kernel module's tuning flag for this run, e.g. moe_w4a16.FEW_DOWN_T=8 (repeatable)")
+
+
 def add_bench_parser(bsub) -> None:
     """`ddtree bench kernels` (the `bench` parser itself lives in service_kit/tools.py)."""
     bk = bsub.add_parser("kernels", help="time every kernel against its torch reference on the GPU")
     bk.add_argument("--preset", default="k26", choices=["k26"])
     bk.add_argument("--out", help="also write the table as JSON lines here")
     bk.add_argument("--only", help="bench only the group whose name contains this: moe, mla, small, linear, int8, "
-                                   "ddtree, "
-                                   "dflash")
+                                   "ddtree, dflash")
+    add_set_argument(bk)
     bk.set_defaults(func=_bench_cmd)
 
 

@@ -21,7 +21,9 @@ import random
 
 import torch
 
+from kernels import overrides
 from kernels.bench import copy_bandwidth
+from kernels.cli import add_set_argument
 from verifier_service.config import VerifierConfig
 from verifier_service.budget import row_bucket
 from verifier_service.graphs import GraphRunner
@@ -68,6 +70,7 @@ def add_parser(bsub) -> None:
     p.add_argument("--one-shot-all-reduce-kb", type=int, default=VerifierConfig.one_shot_all_reduce_kb,
                    help="under torchrun: all-reduces up to this many KiB by kernels/all_reduce (the verifier's "
                         "flag); 0 = NCCL for all")
+    add_set_argument(p)
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.add_argument("--trace", metavar="DIR", help="also profile 5 graph replays of each tree size: Chrome traces "
                                                  "DIR/verify_rows<T>.json and a summary per step (step_trace.py)")
@@ -261,6 +264,7 @@ def trace_step(graphs: GraphRunner, host_plan, path: str, say) -> None:
 
 def main(args) -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
+    applied = overrides.apply(args.set)
     cfg = k26_config(args.layers)
     rank, world, reduce, collectives = setup_ranks(args.ep_size, args.one_shot_all_reduce_kb)
     experts = (split_range(cfg.n_routed_experts, rank, world) if args.expert_slices == 1
@@ -287,7 +291,7 @@ def main(args) -> int:
     layout = "shared/dense/lm_head split" if split else "shared/dense/lm_head replicated"
     say(f"# {torch.cuda.get_device_name()}, K2.6 dims, {args.layers} layers, rank 0 of {world} ({collectives}): "
         f"{held:g} experts' worth, {len(heads)} heads, {layout}, {args.sessions} session(s) of prefix {args.prefix}, "
-        f"{args.routing} routing; copy {bw / 1e9:.0f} GB/s")
+        f"{args.routing} routing; copy {bw / 1e9:.0f} GB/s" + "".join(f"; --set {a}" for a in applied))
     say(f"{'rows':>5} {'eager ms':>9} {'graph ms':>9} {'ref ms':>9} {'ref/graph':>9} {'floor ms':>9} "
         f"{'graph/floor':>11} {'experts':>7} {'floor@routed':>12} {'graph/floor@routed':>18}")
     rng, out_rows = random.Random(0), []
@@ -310,7 +314,7 @@ def main(args) -> int:
                                  floor_ms=floor, touched_experts=touched, floor_routed_ms=routed, routing=args.routing,
                                  pad_rows_routed=args.route_pad_rows, layers=args.layers, ranks=world,
                                  collectives=collectives, split_replicated=split is not None, prefix=args.prefix,
-                                 gpu=torch.cuda.get_device_name()))
+                                 overrides=applied, gpu=torch.cuda.get_device_name()))
             say(f"{rows:>5} {eager:>9.3f} {replay:>9.3f} {reference:>9.3f} {reference / replay:>9.1f} "
                 f"{floor:>9.3f} {replay / floor:>11.2f} {touched:>7.1f} {routed:>12.3f} {replay / routed:>18.2f}")
             if args.trace:
