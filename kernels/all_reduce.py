@@ -36,6 +36,10 @@ import torch
 from kernels._compile import _check, cuda_source, get_kernels, launch
 
 BLOCKS, THREADS, MAX_RANKS = 32, 256, 8
+# Programmatic dependent launch: the kernel launches while the projection before it runs (its blocks wait in
+# griddepcontrol.wait, not on the flags) and lets the norm after it launch at once. Without it each of the step's
+# 122 all-reduces pays a launch gap before and after. Off until measured on 2+ GPUs (session 47: built, not run).
+PDL = False
 CODE = r"""
 #define AR_BLOCKS 32
 #define AR_MAX_RANKS 8
@@ -89,15 +93,19 @@ template <> struct vec16<float> {
 };
 
 // Grid AR_BLOCKS (every call, every rank), 256 threads. t: nvec 16-byte pieces, in place. bases[q]: rank q's
-// buffer as mapped here; its data halves are `slot` bytes per source, its flags at byte `flags_at`.
+// buffer as mapped here; its data halves are `slot` bytes per source, its flags at byte `flags_at`. pdl: launched
+// with programmatic dependent launch (then the kernel after it may launch early too).
 template <typename T>
 __global__ void __launch_bounds__(256) one_shot_all_reduce(uint4* t, int nvec, const unsigned long long* bases,
                                                            int rank, int world, i64 slot, i64 flags_at,
-                                                           u32* epochs, unsigned long long timeout_ns) {
+                                                           u32* epochs, unsigned long long timeout_ns,
+                                                           int pdl) {
   __shared__ unsigned long long base[AR_MAX_RANKS];
   __shared__ u32 epoch;
   const int b = blockIdx.x, tid = threadIdx.x;
-  if (tid < world) base[tid] = bases[tid];
+  if (pdl) pdl_trigger();  // launched with PDL (all_reduce.PDL): the norm after it may launch now; it waits for us
+  if (tid < world) base[tid] = bases[tid];  // fixed at open
+  pdl_wait();  // t (the projection before us) and epochs (the previous call) are final after it
   if (tid == 0) epoch = epochs[b] + 1;
   __syncthreads();
   const u32 e = epoch;
@@ -189,7 +197,8 @@ def one_shot_all_reduce(t: torch.Tensor, peers: PeerBuffers) -> torch.Tensor:
     assert peers.fits(t) and t.device == peers.bases.device, (t.shape, t.dtype, t.device)
     kernel = get_kernels(cuda_source(CODE), NAMES)[_KERNEL[t.dtype]]
     launch(kernel, BLOCKS, THREADS, t, t.nbytes // 16, peers.bases, peers.rank, peers.world,
-           np.int64(peers.max_bytes), np.int64(peers.flags_at), peers.epochs, np.uint64(peers.timeout_ns))
+           np.int64(peers.max_bytes), np.int64(peers.flags_at), peers.epochs, np.uint64(peers.timeout_ns), int(PDL),
+           pdl=PDL)
     return t
 
 

@@ -10,6 +10,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from kernels.cli import add_set_argument
+
 CALLS = 50
 
 
@@ -35,8 +37,11 @@ def graph_us(fn, t: torch.Tensor, iters: int) -> float:
 
 
 def main(args) -> int:
+    from kernels import overrides
     from kernels.all_reduce import one_shot_all_reduce
     from verifier_service import ranks
+
+    applied = overrides.apply(args.set)
 
     info = ranks.RankInfo.from_env()
     assert info is not None and info.world_size > 1, "run under torchrun with 2 or more processes"
@@ -47,7 +52,7 @@ def main(args) -> int:
     assert peers is not None, "these GPUs cannot map each other's memory"
     say = print if info.rank == 0 else (lambda *a, **k: None)
     say(f"# {torch.cuda.get_device_name()} x {info.world_size}, bf16 [rows, {args.hidden}], us per all-reduce "
-        f"({CALLS} in one CUDA graph)")
+        f"({CALLS} in one CUDA graph)" + "".join(f"; --set {a}" for a in applied))
     say(f"{'rows':>5} {'KiB':>7} {'NCCL us':>8} {'one-shot us':>11}")
     out = []
     for r in rows:
@@ -70,6 +75,7 @@ def add_parser(bsub) -> None:
     p.add_argument("--rows", default="1,8,16,32,64,128", help="T of the [T, hidden] bf16 inputs")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--iters", type=int, default=20, help="graph replays timed")
+    add_set_argument(p)
     p.add_argument("--out", help="also write the rows as JSON lines here")
     p.set_defaults(func=main)
 

@@ -42,7 +42,10 @@ def _inputs(rank: int, call: int, shape, dtype, device) -> torch.Tensor:
     return (torch.randn(shape, generator=g, device=device) * (1 + rank)).to(dtype)
 
 
-def _check(rank: int, port: int) -> None:
+def _check(rank: int, port: int, pdl: bool) -> None:
+    import kernels.all_reduce as ar
+
+    ar.PDL = pdl  # this spawned process's module
     device, peers = _setup(rank, port)
     shapes = [(1, H), (3, H), (17, H), (8,), (4, 4), (1, 1024)]
     call = 0
@@ -108,8 +111,9 @@ def _absent_peer(rank: int, port: int) -> None:
     ranks.exit_process(3)
 
 
-def test_one_shot_all_reduce_equals_reference():
-    mp.spawn(_check, args=(_port(),), nprocs=WORLD)
+@pytest.mark.parametrize("pdl", [False, True])  # all_reduce.PDL
+def test_one_shot_all_reduce_equals_reference(pdl):
+    mp.spawn(_check, args=(_port(), pdl), nprocs=WORLD)
 
 
 def test_absent_peer_fails_instead_of_hanging():
