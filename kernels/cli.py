@@ -53,9 +53,22 @@ def add_parser(sub) -> None:
     c.set_defaults(func=_check_cmd)
 
 
+def _setting(text: str) -> str:
+    """argparse type of --set: the form and the module checked at parse time (the flag itself when applied)."""
+    import argparse
+
+    from kernels import overrides
+
+    try:
+        overrides.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_set_argument(p) -> None:
     """`--set MODULE.FLAG=VALUE` (kernels/overrides.py), repeatable: a kernel variant of a bench run."""
-    p.add_argument("--set", action="append", metavar="MODULE.FLAG=VALUE",
+    p.add_argument("--set", action="append", type=_setting, metavar="MODULE.FLAG=VALUE",
                    help="set a kernel module's tuning flag for this run, e.g. moe_w4a16.FEW_DOWN_T=8 (repeatable)")
 
 

@@ -69,3 +69,11 @@ def test_bench_parsers_take_repeated_set():
     assert args.set == ["moe_w4a16.FEW_DOWN_T=8", "moe_w4a16.FEW_DOWN_PIPE=True"]
     assert parser.parse_args(["verify", "--set", "moe_w4a16.FEW_DOWN=False"]).set == ["moe_w4a16.FEW_DOWN=False"]
     assert parser.parse_args(["verify"]).set is None
+
+
+def test_bench_parser_rejects_a_malformed_set(capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_bench_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["kernels", "--set", "moe.FEW_DOWN_T=8"])
+    assert "no kernel module 'moe'" in capsys.readouterr().err
