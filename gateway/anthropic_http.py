@@ -15,6 +15,7 @@ from aiohttp import web
 from gateway.anthropic_api import anthropic_param, messages_request
 from gateway.anthropic_response import AnthropicResponse
 from gateway.validation import prompt_ids, to_job
+from service_kit import trace_context
 from service_kit.errors import InvalidArgument, ServiceError, Unavailable
 from service_kit.logs import get_logger
 
@@ -46,7 +47,8 @@ async def messages(h, request: web.Request) -> web.StreamResponse:
     out = AnthropicResponse(job.request.request_id, model, len(job.request.prompt_ids))
     h.lifecycle.enter()
     try:
-        with structlog.contextvars.bound_contextvars(request_id=out.request_id, method=request.path):
+        with (trace_context.span(request.headers.get(trace_context.HEADER)),
+              structlog.contextvars.bound_contextvars(request_id=out.request_id, method=request.path)):
             async with contextlib.aclosing(h.gateway.generate(job, h.gateway.config.default_timeout_s)) as msgs:
                 first = await anext(msgs, None)  # admission and verifier errors keep their status
                 if first is None:

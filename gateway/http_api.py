@@ -28,6 +28,7 @@ from gateway.openai_api import chat_request, choice_count, completion_request, e
 from gateway.openai_response import OpenAIResponse, merged_response, usage_event
 from gateway.pipeline import Gateway
 from gateway.validation import choice_jobs, prompt_ids, to_job
+from service_kit import trace_context
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, key_ok
 from service_kit.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from service_kit.logs import get_logger
@@ -180,7 +181,8 @@ class Handlers:
         try:
             timeout = self.gateway.config.default_timeout_s
             generations = [self.gateway.generate(j, timeout) for j in choice_jobs(job, n)]
-            with structlog.contextvars.bound_contextvars(request_id=request_id, method=request.path):
+            with (trace_context.span(request.headers.get(trace_context.HEADER)),
+                  structlog.contextvars.bound_contextvars(request_id=request_id, method=request.path)):
                 return await _respond(request, outs, generations, stream, usage)
         finally:
             self.lifecycle.exit()

@@ -24,9 +24,14 @@ from gateway.stops import StopMatcher
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import Job, Limits
 from service_kit.errors import ResourceExhausted, ServiceError, Unavailable
+from service_kit.logs import get_logger
+from service_kit import trace_context
 from service_kit.server import channel_options
 
 VERIFIER_SERVICE = "ddtree.internal.v1.Verifier"
+
+
+log = get_logger("gateway")
 
 
 class Gateway:
@@ -86,12 +91,14 @@ class Gateway:
         self.running += 1
         metrics.RUNNING.inc()
         t0 = time.monotonic()
-        call = self.verifier.Generate(job.request, timeout=timeout_s)
-        reason = "error"
+        call = self.verifier.Generate(job.request, timeout=timeout_s, metadata=trace_context.outgoing())
+        reason, first, final = "error", None, None
         try:
             async for resp in self._relay(job, call, t0):
                 if resp.HasField("final"):
-                    reason = pb.FinishReason.Name(resp.final.finish_reason)
+                    reason, final = pb.FinishReason.Name(resp.final.finish_reason), resp.final
+                elif first is None and resp.chunk.token_ids:
+                    first = time.monotonic()
                 yield resp
         except grpc.aio.AioRpcError as e:
             reason = e.code().name
@@ -105,6 +112,7 @@ class Gateway:
             metrics.RUNNING.dec()
             metrics.REQUESTS.labels(reason).inc()
             metrics.E2E.observe(time.monotonic() - t0)
+            _log_finished(job, reason, final, t0, first)
 
     async def _relay(self, job: Job, call, t0: float):
         out = OutputText(self.tokenizer, job)
@@ -140,7 +148,8 @@ class Gateway:
         """A stop string matched: cancel the session (within one step) and take the speculative stats
         from the verifier's closing message; without them in time, just drop the stream."""
         try:
-            await self.verifier.Cancel(vpb.CancelRequest(request_id=job.request.request_id), timeout=timeout_s)
+            await self.verifier.Cancel(vpb.CancelRequest(request_id=job.request.request_id), timeout=timeout_s,
+                                       metadata=trace_context.outgoing())
             async with asyncio.timeout(timeout_s):
                 async for msg in call:
                     if msg.HasField("final"):
@@ -208,3 +217,17 @@ def _downstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
     """Pass the verifier's status through; transport failures become UNAVAILABLE."""
     code = e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.UNAVAILABLE
     return ServiceError(f"verifier: {e.details()}", code)
+
+
+def _log_finished(job: Job, outcome: str, final: pb.Final | None, t0: float, first: float | None) -> None:
+    """The request's one summary line (its trace_id and span_id come from the log context): outcome is the finish
+    reason, or the status code that ended it (CANCELLED, DEADLINE_EXCEEDED, ...). Seconds; no prompt or output text."""
+    now = time.monotonic()
+    fields = dict(request_id=job.request.request_id, outcome=outcome, prompt_tokens=len(job.request.prompt_ids),
+                  ttft_s=None if first is None else round(first - t0, 4), e2e_s=round(now - t0, 4))
+    if final is not None:
+        s = final.spec_stats
+        fields.update(completion_tokens=final.usage.completion_tokens, mode=pb.SpecMode.Name(s.mode),
+                      tree_budget=s.tree_budget, verify_steps=s.verify_steps,
+                      mean_acceptance_length=round(s.mean_acceptance_length, 3))
+    log.info("request_finished", **fields)

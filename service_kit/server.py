@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, grpc_authorization
 from service_kit.config import ServerConfig
 from service_kit.errors import ServiceError
+from service_kit import trace_context
 
 log = structlog.get_logger("service_kit.server")
 
@@ -93,9 +94,10 @@ class Lifecycle:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ServiceError subclasses to their status codes, anything else to INTERNAL (logged);
-    binds request_id into the log context; refuses new calls while draining, and calls without the
-    bearer token when an `api_key` is set (health and reflection stay open)."""
+    """Maps ServiceError subclasses to their status codes, anything else to INTERNAL (logged); binds request_id and
+    the call's trace span (service_kit/trace_context, from `traceparent` metadata) into the log context; refuses new
+    calls while draining, and calls without the bearer token when an `api_key` is set (health and reflection stay
+    open)."""
 
     def __init__(self, lifecycle: Lifecycle, api_key: str = ""):
         self.lifecycle = lifecycle
@@ -137,14 +139,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     @contextlib.asynccontextmanager
     async def _guard(self, request, context, method: str, counted: bool = True):
-        """Admission while draining, in-flight accounting (unless not `counted`), request_id in the log
-        context, error mapping."""
+        """Admission while draining, in-flight accounting (unless not `counted`), request_id and the trace span in
+        the log context, error mapping."""
         await self._admit(context)
         if counted:
             self.lifecycle.enter()
         rid = getattr(request, "request_id", "") or None
+        incoming = trace_context.metadata_value(context.invocation_metadata())
         try:
-            with structlog.contextvars.bound_contextvars(request_id=rid, method=method):
+            with trace_context.span(incoming), structlog.contextvars.bound_contextvars(request_id=rid,
+                                                                                        method=method):
                 yield
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise

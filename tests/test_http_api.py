@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import time
 import urllib.request
@@ -575,3 +576,43 @@ def test_tokenize_and_detokenize_match_the_generation_prompt(idle, client):
         status, body, _ = raw(idle, "POST", path, json.dumps(payload).encode())
         assert status == 400 and json.loads(body)["error"]["param"] == param, (path, body)
     assert raw(idle, "POST", "/tokenize", json.dumps({"prompt": "x"}).encode(), key=None)[0] == 401
+
+
+def _summary(proc, event: str, trace_id: str) -> dict[str, str]:
+    """The key=value fields of `proc`'s `event` line for `trace_id` (console log format), once it is written."""
+    found: dict[str, str] = {}
+
+    def seen() -> bool:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if event in line and f"trace_id={trace_id}" in line:
+                found.update(re.findall(r"(\w+)=(\S+)", line))
+                return True
+        return False
+
+    wait_until(seen, 10, f"{proc.name}: a {event} line of trace {trace_id}")
+    return found
+
+
+@pytest.mark.parametrize("via", ["grpc", "http"])
+def test_traceparent_reaches_every_log_line_of_the_request(idle, via):
+    """A client's W3C traceparent is continued by the gateway (its request_finished line) and, as the gateway
+    span's child, by the verifier (its session_finished line): one trace id greps one request out of both logs."""
+    trace = "4bf92f3577b34da6a3ce929d0e0e47" + ("01" if via == "grpc" else "02")
+    parent = "00f067aa0ba902b7"
+    header = f"00-{trace}-{parent}-01"
+    if via == "grpc":
+        req = gen_request(PROMPTS[0], 8, mode=pb.SPEC_MODE_DDTREE)
+        for _ in idle.generation.Generate(req, timeout=60, metadata=(*AUTH, ("traceparent", header))):
+            pass
+    else:
+        conn = http.client.HTTPConnection("127.0.0.1", idle.http_port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": 8, **DDTREE}),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
+                              "traceparent": header})
+        assert conn.getresponse().status == 200
+    gw = _summary(idle.gateway, "request_finished", trace)
+    vf = _summary(idle.verifier, "session_finished", trace)
+    assert gw["parent_span_id"] == parent and re.fullmatch(r"[0-9a-f]{16}", gw["span_id"]) and gw["span_id"] != parent
+    assert vf["parent_span_id"] == gw["span_id"] and vf["span_id"] not in (parent, gw["span_id"])
+    assert gw["request_id"] == vf["request_id"] and gw["outcome"] == "FINISH_REASON_LENGTH"
+    assert gw["completion_tokens"] == vf["completion_tokens"] == "8" and gw["mode"] == "SPEC_MODE_DDTREE"

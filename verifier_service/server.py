@@ -57,7 +57,9 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
                 if e.error is not None:
                     raise ServiceError(e.error, getattr(grpc.StatusCode, e.error_code))
                 if e.finish_reason is not None:
-                    yield vpb.VerifierGenerateResponse(final=_final(session, e, self.engine.block_size))
+                    final = _final(session, e, self.engine.block_size)
+                    _log_finished(session, final)
+                    yield vpb.VerifierGenerateResponse(final=final)
                     return
                 yield vpb.VerifierGenerateResponse(chunk=vpb.TokenChunk(
                     token_ids=e.token_ids, logprobs=e.logprobs, num_verify_steps=e.verify_steps,
@@ -84,6 +86,16 @@ def _final(s: Session, e: Emission, block_size: int) -> vpb.VerifierFinal:
     if e.matched_stop_token_id is not None:
         f.matched_stop_token_id = e.matched_stop_token_id
     return f
+
+
+def _log_finished(s: Session, f: vpb.VerifierFinal) -> None:
+    """The session's summary line (its trace_id and span_id come from the log context of its Generate call)."""
+    st = f.spec_stats
+    log.info("session_finished", request_id=s.id, finish_reason=pb.FinishReason.Name(f.finish_reason),
+             prompt_tokens=f.prompt_tokens, cached_prompt_tokens=f.cached_prompt_tokens,
+             completion_tokens=f.completion_tokens, mode=pb.SpecMode.Name(st.mode), verify_steps=st.verify_steps,
+             draft_unavailable_steps=st.draft_unavailable_steps,
+             mean_acceptance_length=round(st.mean_acceptance_length, 3))
 
 
 def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
