@@ -2,8 +2,8 @@
 
 The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
 gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
-Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `stop_token_ids`, `ignore_eos`, `min_tokens`,
-`chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
+Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
+`min_tokens`, `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
 `tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto", "none", "required" or a named function (the answer
@@ -66,7 +66,7 @@ def _check_unsupported(body: dict) -> None:
 def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     """The parameters chat and completions share, into `req`."""
     _check_unsupported(body)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = typed(body, name, (int, float), "a number")
         if value is not None:
             setattr(req.sampling, name, value)

@@ -18,7 +18,7 @@ from service_kit.server import Lifecycle, Service, run_server
 
 log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
-FEATURES = ("ar", "chain", "ddtree", "sampling", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
+FEATURES = ("ar", "chain", "ddtree", "sampling", "min_p", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
             "stop_strings", "min_new_tokens", "chat", "spec_stats", "reasoning_text", "tool_calls", "tool_choice",
             "prefix_cache_usage", "response_format")
 

@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top token's probability")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--mode", choices=tuple(MODES), default="default")
@@ -43,7 +44,7 @@ def build_request(args) -> pb.GenerateRequest:
         req.chat.messages.add(role="user", content=args.prompt)
     else:
         req.text = args.prompt
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
         if getattr(args, name) is not None:
             setattr(req.sampling, name, getattr(args, name))
     if args.max_new_tokens is not None:

@@ -19,6 +19,8 @@ def check_sampling(s: pb.SamplingParams, vocab_size: int) -> None:
         raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
     if s.HasField("top_p") and not 0.0 < s.top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.HasField("min_p") and not 0.0 <= s.min_p <= 1.0:  # NaN fails both comparisons
+        raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {s.min_p}")
     if s.HasField("top_k") and s.top_k < 0:
         raise InvalidArgument("sampling.top_k", f"must be >= 0, got {s.top_k}")
     for name in ("presence_penalty", "frequency_penalty"):

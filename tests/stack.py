@@ -327,7 +327,7 @@ class Result:
 def gen_request(prompt: Sequence[int] | str, max_new: int = 64, *, mode: int = pb.SPEC_MODE_AR,
             budget: int | None = None, temperature: float | None = None, top_k: int | None = None,
             top_p: float | None = None, seed: int | None = None, request_id: str | None = None,
-            ignore_eos: bool = True) -> pb.GenerateRequest:
+            ignore_eos: bool = True, min_p: float | None = None) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex)
     if isinstance(prompt, str):
         req.text = prompt
@@ -338,7 +338,8 @@ def gen_request(prompt: Sequence[int] | str, max_new: int = 64, *, mode: int = p
     req.speculation.mode = mode
     if budget is not None:
         req.speculation.tree_budget = budget
-    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
+                        ("min_p", min_p)):
         if value is not None:
             setattr(req.sampling, name, value)
     return req

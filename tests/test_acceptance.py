@@ -62,10 +62,14 @@ def test_walk_equals_brute_force(seed):
     assert walk.tokens == emitted
 
 
-def naive_filter(logits, temperature, top_k, top_p):
+def naive_filter(logits, temperature, top_k, top_p, min_p=0.0):
     out = []
     for row in logits.double().tolist():
         x = [v / temperature for v in row]
+        if min_p > 0:  # vLLM's min-p: a token stays if its probability is >= min_p x the top token's
+            z = sum(math.exp(v) for v in x)
+            top = max(math.exp(v) / z for v in x)
+            x = [v if math.exp(v) / z >= min_p * top else -math.inf for v in x]
         order = sorted(range(len(x)), key=lambda i: -x[i])
         keep = set(order[:top_k]) if 0 < top_k < len(x) else set(order)
         kth = min(x[i] for i in keep)
@@ -86,12 +90,17 @@ def naive_filter(logits, temperature, top_k, top_p):
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
-                                                       (1.0, 3, 0.5), (0.5, 1, 1.0), (2.0, 0, 0.05)])
-def test_filter_matches_per_row_reference(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 3, 0.5, 0.0), (0.5, 1, 1.0, 0.0),
+    (2.0, 0, 0.05, 0.0), (1.0, 0, 1.0, 0.1), (0.7, 0, 1.0, 0.3), (1.5, 8, 0.9, 0.05), (1.0, 0, 0.6, 0.2),
+    (1.0, 0, 1.0, 1.0)])  # min_p 1: only the top token (and ties)
+def test_filter_matches_per_row_reference(temperature, top_k, top_p, min_p):
     logits = torch.randn(6, 23, generator=torch.Generator().manual_seed(1)) * 3
-    got = filter_probs(logits, temperature, top_k, top_p)
-    assert torch.allclose(got.double(), naive_filter(logits, temperature, top_k, top_p), atol=1e-6)
+    got = filter_probs(logits, temperature, top_k, top_p, min_p)
+    want = naive_filter(logits, temperature, top_k, top_p, min_p)
+    assert torch.allclose(got.double(), want, atol=1e-6)
+    if min_p > 0:  # the filter really drops tokens here (the case is not vacuous)
+        assert (want == 0).sum() > (naive_filter(logits, temperature, top_k, top_p) == 0).sum()
 
 
 def test_inverse_cdf_never_picks_zero_mass():
@@ -150,7 +159,7 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.8, 2, 0.9)])
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.8, 2, 0.9), (1.2, 0, 1.0, 0.3)])
 def test_sample_and_walk_matches_sequential_sampling(params):
     n = 3000
     counts: dict = {}

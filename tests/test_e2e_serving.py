@@ -85,7 +85,8 @@ def test_ar_mode_equals_in_process_recompute(idle, ar_refs, tiny_ckpt):
 
 
 SAMPLING = [dict(temperature=1.0, seed=11), dict(temperature=1.0, top_k=20, seed=12),
-            dict(temperature=1.0, top_p=0.8, seed=13), dict(temperature=1.0, top_k=50, top_p=0.9, seed=14)]
+            dict(temperature=1.0, top_p=0.8, seed=13), dict(temperature=1.0, top_k=50, top_p=0.9, seed=14),
+            dict(temperature=1.3, min_p=0.1, seed=15)]
 
 
 def test_seeded_sampling_reproducible_and_batch_independent(idle):
@@ -110,6 +111,8 @@ def test_seeded_sampling_reproducible_and_batch_independent(idle):
     for s, r, ar in zip(SAMPLING, got, ars):
         assert r.ids == ar, f"{s} in a batch: {first_difference(r.ids, ar)}"
     assert len({tuple(r.ids) for r in got[:len(SAMPLING)]}) == len(SAMPLING), "seeds must matter"
+    no_min_p = {k: v for k, v in SAMPLING[-1].items() if k != "min_p"}  # min_p reaches the sampler
+    assert generate(idle.generation, gen_request(prompt, n, mode=pb.SPEC_MODE_AR, **no_min_p)).ids != ars[-1]
 
 
 PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3)
@@ -355,7 +358,7 @@ def _bad(**changes):
         for key, value in changes.items():
             if key == "input":
                 req.ClearField("input") if value is None else value(req, info)
-            elif key in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+            elif key in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                          "repetition_penalty"):
                 setattr(req.sampling, key, value)
             elif key == "logit_bias":
@@ -404,6 +407,8 @@ BAD_INPUT = {
     "top_p 0": (_bad(top_p=0.0), "sampling.top_p"),
     "top_p > 1": (_bad(top_p=1.5), "sampling.top_p"),
     "top_k < 0": (_bad(top_k=-1), "sampling.top_k"),
+    "min_p > 1": (_bad(min_p=1.5), "sampling.min_p"),
+    "min_p nan": (_bad(min_p=float("nan")), "sampling.min_p"),
     "presence_penalty 3": (_bad(presence_penalty=3.0), "sampling.presence_penalty"),
     "frequency_penalty nan": (_bad(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
     "repetition_penalty 0": (_bad(repetition_penalty=0.0), "sampling.repetition_penalty"),

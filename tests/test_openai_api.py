@@ -29,15 +29,22 @@ def tok():
 
 
 def test_completion_fields_land_in_the_proto():
-    req = completion_request({"prompt": "hi", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7,
+    req = completion_request({"prompt": "hi", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "min_p": 0.25,
                               "max_tokens": 12, "stop": "\n", "stop_token_ids": [3], "ignore_eos": True,
                               "spec_mode": "chain", "tree_budget": 4, "logprobs": 0, "n": 1, "echo": False})
     assert req.text == "hi" and req.return_logprobs
     assert (req.sampling.temperature, round(req.sampling.top_p, 6), req.sampling.top_k, req.sampling.seed) == \
         (0.5, 0.9, 5, 7)
+    assert req.sampling.min_p == 0.25
     assert req.stopping.max_new_tokens == 12 and list(req.stopping.stop) == ["\n"]
     assert list(req.stopping.stop_token_ids) == [3] and req.stopping.ignore_eos
     assert req.speculation.mode == pb.SPEC_MODE_CHAIN and req.speculation.tree_budget == 4
+
+
+def test_min_p_must_be_a_number():
+    with pytest.raises(InvalidArgument) as e:
+        completion_request({"prompt": "x", "min_p": "high"})
+    assert e.value.field == "min_p"
 
 
 def test_top_logprobs_fields():
@@ -53,7 +60,7 @@ def test_completion_prompt_forms_and_defaults():
     assert completion_request({"prompt": ["one"]}).text == "one"
     req = completion_request({"prompt": "x", "top_k": -1, "stop": None, "response_format": {"type": "text"},
                               "logit_bias": {}, "presence_penalty": 0.0})
-    for field in ("temperature", "top_p", "top_k", "seed"):
+    for field in ("temperature", "top_p", "top_k", "min_p", "seed"):
         assert not req.sampling.HasField(field), field  # unset: the server's default (greedy), as over gRPC
     assert not req.stopping.HasField("max_new_tokens") and not req.return_logprobs
     assert req.speculation.mode == pb.SPEC_MODE_UNSPECIFIED
@@ -313,6 +320,7 @@ def test_structured_output_grammars(tok):
 @pytest.mark.parametrize("body, chat, param", [
     ({"prompt": "x", "temperature": -1}, False, "temperature"),
     ({"prompt": "x", "top_p": 0}, False, "top_p"),
+    ({"prompt": "x", "min_p": 1.5}, False, "min_p"),
     ({"prompt": "x", "max_tokens": 0}, False, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 99}, True, "max_completion_tokens"),
     ({"prompt": "x", "stop": ["a", "b", "c"]}, False, "stop"),

@@ -73,9 +73,14 @@ def forced_walk(tokens: list[int], parents: list[int], target_tokens: list[int],
     return Walk(accepted_rows=accepted, tokens=emitted, bonus_row=accepted[-1])
 
 
-def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[R, V] logits → [R, V] fp32 probabilities: temperature, then top-k, then top-p (nucleus)."""
+def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 min_p: float = 0.0) -> torch.Tensor:
+    """[R, V] logits → [R, V] fp32 probabilities: temperature, then min-p (tokens below min_p × the most likely
+    one's probability dropped; vLLM's order), then top-k, then top-p (nucleus)."""
     x = logits.float() / temperature
+    if min_p > 0.0:
+        p = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, float("-inf"))  # keeps the top token
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))

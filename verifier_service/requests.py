@@ -70,6 +70,7 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         temperature=s.temperature if s.HasField("temperature") else 0.0,
         top_k=s.top_k if s.HasField("top_k") else 0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
         max_new_tokens=req.max_new_tokens or min(256, config.max_new_tokens_limit),
         stop_token_ids=frozenset(req.stop_token_ids), ignore_eos=req.ignore_eos,

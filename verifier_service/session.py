@@ -19,6 +19,7 @@ class GenParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # after temperature, before top-k and top-p (acceptance.filter_probs)
     seed: int | None = None
     max_new_tokens: int = 64
     stop_token_ids: frozenset[int] = frozenset()

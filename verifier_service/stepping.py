@@ -61,7 +61,7 @@ def target_tokens(s: Session, logits: torch.Tensor, depths: list[int]) -> list[i
     if p.greedy:
         return logits.argmax(-1).tolist()
     u = s.rng.peek(max(depths) + 1)[torch.tensor(depths)]
-    probs = filter_probs(logits, p.temperature, p.top_k, p.top_p)
+    probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
     return sample_with_uniforms(probs, u.to(probs.device)).tolist()
 
 
@@ -149,7 +149,8 @@ def draw_ahead(s: Session, logits: torch.Tensor, parents: list[int]) -> None:
     depths = tree_depths(parents)
     u = s.rng.peek(max(depths[r] for r in rows) + 1)[torch.tensor([depths[r] for r in rows])]
     p = s.params
-    c.drawn = rows, sample_with_uniforms(filter_probs(restricted, p.temperature, p.top_k, p.top_p), u.to(logits.device))
+    probs = filter_probs(restricted, p.temperature, p.top_k, p.top_p, p.min_p)
+    c.drawn = rows, sample_with_uniforms(probs, u.to(logits.device))
 
 
 def top_logprobs(logits: torch.Tensor, rows: list[int], k: int) -> list[tuple[list[int], list[float]]]:
