@@ -27,7 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.openai_api import chat_request, choice_count, completion_request, echo_flags, openai_param, stream_flags
 from gateway.openai_response import OpenAIResponse, merged_response, usage_event
 from gateway.pipeline import Gateway
-from gateway.validation import choice_jobs, prompt_ids, to_job
+from gateway.validation import check_token_ids, choice_jobs, prompt_ids, to_job
 from service_kit import trace_context
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, key_ok
 from service_kit.errors import InvalidArgument, NotFound, ServiceError, Unavailable
@@ -127,12 +127,9 @@ class Handlers:
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: `tokens` (ids) → `prompt` (text, special tokens kept)."""
         ids = (await _json_object(request)).get("tokens")
-        vocab = self.gateway.tokenizer.vocab_size
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidArgument("tokens", "must be a list of token ids")
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument(f"tokens[{bad}]", f"{ids[bad]} is outside [0, {vocab})")
+        check_token_ids(ids, self.gateway.tokenizer.vocab_size, "tokens")
         return web.json_response({"prompt": self.gateway.tokenizer.decode(ids)})
 
     def served_model(self, body: dict) -> str:

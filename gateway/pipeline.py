@@ -114,6 +114,22 @@ class Gateway:
             metrics.E2E.observe(time.monotonic() - t0)
             _log_finished(job, reason, final, t0, first)
 
+    async def generate_result(self, job: Job, timeout_s: float) -> pb.GenerateResult:
+        """GenerateUnary: the messages of `generate`, the chunks' fields concatenated in order."""
+        result, text, reasoning = pb.GenerateResult(), [], []
+        async for resp in self.generate(job, timeout_s):
+            if resp.HasField("final"):
+                result.final.CopyFrom(resp.final)
+                continue
+            c = resp.chunk
+            text.append(c.text)
+            reasoning.append(c.reasoning_text)
+            for name in ("token_ids", "tool_calls", "logprobs", "top_logprobs", "prompt_logprobs",
+                         "prompt_top_logprobs"):
+                getattr(result, name).extend(getattr(c, name))
+        result.text, result.reasoning_text = "".join(text), "".join(reasoning)
+        return result
+
     async def _relay(self, job: Job, call, t0: float):
         out = OutputText(self.tokenizer, job)
         last = None

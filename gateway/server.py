@@ -10,7 +10,7 @@ from gateway.config import GatewayConfig
 from gateway.http_api import start_http
 from gateway.pipeline import Gateway
 from gateway.tokenizer import KimiTokenizer
-from gateway.validation import to_job
+from gateway.validation import check_token_ids, to_job
 from service_kit import __version__
 from service_kit.errors import InvalidArgument, Unavailable
 from service_kit.logs import configure_logging, get_logger
@@ -20,7 +20,7 @@ log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
 FEATURES = ("ar", "chain", "ddtree", "sampling", "min_p", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
             "stop_strings", "min_new_tokens", "chat", "spec_stats", "reasoning_text", "tool_calls", "tool_choice",
-            "prefix_cache_usage", "response_format")
+            "prefix_cache_usage", "response_format", "generate_unary", "detokenize")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -28,12 +28,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context):
-        # off the event loop: templating and tokenizing a long prompt, or compiling a grammar, take milliseconds
-        job = await asyncio.to_thread(to_job, request, self.gateway.tokenizer, self.gateway.require_limits())
-        remaining = context.time_remaining()
-        timeout = self.gateway.config.default_timeout_s if remaining is None else remaining
+        job, timeout = await self._job(request, context)
         async for response in self.gateway.generate(job, timeout):
             yield response
+
+    async def GenerateUnary(self, request, context):
+        job, timeout = await self._job(request, context)
+        return await self.gateway.generate_result(job, timeout)
+
+    async def _job(self, request, context) -> tuple:
+        """The validated job (off the event loop: templating and tokenizing a long prompt, or compiling a grammar,
+        take milliseconds) and the seconds it may take (the call's deadline, else the configured default)."""
+        job = await asyncio.to_thread(to_job, request, self.gateway.tokenizer, self.gateway.require_limits())
+        remaining = context.time_remaining()
+        return job, self.gateway.config.default_timeout_s if remaining is None else remaining
 
     async def Tokenize(self, request, context):
         tok = self.gateway.tokenizer
@@ -47,6 +55,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidArgument("chat.messages", "must not be empty")
             ids = tok.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.decode([i]) for i in ids])
+
+    async def Detokenize(self, request, context):
+        tok = self.gateway.tokenizer
+        check_token_ids(request.token_ids, tok.vocab_size, "token_ids")
+        return pb.DetokenizeResponse(text=tok.decode(list(request.token_ids),
+                                                     skip_special_tokens=request.skip_special_tokens))
 
     async def GetServerInfo(self, request, context):
         if self.gateway.info is not None:

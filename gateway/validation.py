@@ -150,9 +150,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     chat = req.WhichOneof("input") == "chat"
     if not ids:
         raise InvalidArgument("input", "the prompt is empty")
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"token_ids.ids[{bad}]", f"{ids[bad]} is outside [0, {limits.vocab_size})")
+    check_token_ids(ids, limits.vocab_size, "token_ids.ids")
     if len(ids) >= limits.max_context:
         raise InvalidArgument("input", f"prompt of {len(ids)} tokens does not fit the context limit "
                                        f"{limits.max_context} (one token must remain for generation)")
@@ -186,3 +184,10 @@ def choice_jobs(job: Job, n: int) -> list[Job]:
             request.sampling.seed = (request.sampling.seed + i) % 2**64
         jobs.append(dataclasses.replace(job, request=request))
     return jobs
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> None:
+    """INVALID_ARGUMENT naming `field[i]` for the first id outside [0, vocab_size)."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field}[{bad}]", f"{ids[bad]} is outside [0, {vocab_size})")

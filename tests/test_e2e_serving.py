@@ -3,6 +3,7 @@ greedy and seeded sampling, 16 mixed concurrent streams, cancellation, bad input
 
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
@@ -487,3 +488,48 @@ def test_stop_string_truncates_text_and_reports_stats(idle, ar_refs):
     assert r.text == ref.text[:cut]
     assert r.final.finish_reason == pb.FINISH_REASON_STOP and r.final.matched_stop == stop
     assert r.final.spec_stats.verify_steps > 0 and r.final.spec_stats.mode == pb.SPEC_MODE_DDTREE
+
+
+def test_generate_unary_equals_the_stream_concatenated(idle):
+    """GenerateUnary returns what Generate streams, field by field: greedy DDTree with logprobs and prompt
+    logprobs (deterministic, so two calls must agree), and a chat answer with its thinking split off."""
+    req = gen_request(PROMPTS[2], 24, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    req.return_logprobs, req.top_logprobs, req.prompt_logprobs = True, 2, True
+    chat = pb.GenerateRequest(request_id="unary-chat", stopping=pb.StoppingCriteria(max_new_tokens=24))
+    chat.chat.messages.add(role="user", content="Name three trees.")
+    for r in (req, chat):
+        msgs = list(idle.generation.Generate(r, timeout=60))
+        r.request_id += "-unary"
+        got = idle.generation.GenerateUnary(r, timeout=60)
+        chunks = [m.chunk for m in msgs if m.HasField("chunk")]
+        assert list(got.token_ids) == [t for c in chunks for t in c.token_ids] and len(got.token_ids) > 0
+        assert got.text == "".join(c.text for c in chunks)
+        assert got.reasoning_text == "".join(c.reasoning_text for c in chunks)
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "tool_calls"):
+            assert list(getattr(got, name)) == [x for c in chunks for x in getattr(c, name)], name
+        final = msgs[-1].final
+        assert (got.final.finish_reason, got.final.usage.completion_tokens) == \
+            (final.finish_reason, final.usage.completion_tokens) == (pb.FINISH_REASON_LENGTH, 24)
+    assert len(got.reasoning_text) + len(got.text) > 0  # the chat's answer, split as the stream splits it
+    with pytest.raises(grpc.RpcError) as e:  # its errors are Generate's
+        idle.generation.GenerateUnary(_bad(temperature=-0.5)(None), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.temperature" in e.value.details()
+
+
+def test_detokenize_inverts_tokenize(idle):
+    g = idle.generation
+    text = "def main(argv):\n    return 0  # ünïcode ✓"
+    ids = list(g.Tokenize(pb.TokenizeRequest(text=text), timeout=5).token_ids)
+    assert g.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=5).text == text
+    chat = pb.TokenizeRequest()
+    chat.chat.messages.add(role="user", content="hello there")
+    ids = list(g.Tokenize(chat, timeout=5).token_ids)
+    full = g.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=5).text
+    bare = g.Detokenize(pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=True), timeout=5).text
+    assert "<|im_user|>" in full and bare == re.sub(r"<\|[^|]*\|>|</?think>", "", full)  # chat markers dropped
+    vocab = g.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).vocab_size
+    for bad, field in (([1, vocab], "token_ids[1]"), ([-1], "token_ids[0]")):
+        with pytest.raises(grpc.RpcError) as e:
+            g.Detokenize(pb.DetokenizeRequest(token_ids=bad), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    assert g.Detokenize(pb.DetokenizeRequest(), timeout=5).text == ""
