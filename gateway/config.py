@@ -23,6 +23,9 @@ class GatewayConfig(ServerConfig):
     default_timeout_s: float = option(600.0, "deadline for requests that send none")
     max_stop_strings: int = option(16, "most stop strings per request")
     internal_max_message_mb: int = option(256, "message size limit towards the verifier, MiB")
+    ssl_certfile: str = option("", "PEM certificate chain (leaf first): the gRPC and HTTP ports serve TLS; needs "
+                                   "ssl_keyfile (vLLM's names). Empty = plaintext")
+    ssl_keyfile: str = option("", "PEM private key of ssl_certfile")
 
     def __post_init__(self):
         super().__post_init__()
@@ -30,5 +33,7 @@ class GatewayConfig(ServerConfig):
             raise ValueError("model: a tokenizer directory is required (--model)")
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port: {self.http_port} is not a TCP port")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile, ssl_keyfile: give both (TLS) or neither (plaintext)")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests: must be >= 1")

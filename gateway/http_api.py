@@ -310,11 +310,12 @@ def build_app(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig) -> 
     return app
 
 
-async def start_http(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig) -> web.AppRunner:
+async def start_http(gateway: Gateway, lifecycle: Lifecycle, config: GatewayConfig,
+                     ssl_context=None) -> web.AppRunner:
     """Binds config.http_port; `await runner.cleanup()` stops it. A client that disconnects cancels its
     handler (handler_cancellation), and with it the verifier call."""
     runner = web.AppRunner(build_app(gateway, lifecycle, config), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.http_port).start()
-    log.info("http_listening", port=config.http_port)
+    await web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context).start()
+    log.info("http_listening", port=config.http_port, tls=ssl_context is not None)
     return runner

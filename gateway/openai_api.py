@@ -2,9 +2,9 @@
 
 The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
 gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
-Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
-`min_tokens`, `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"),
-`tree_budget`.
+Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `min_p`, `stop_token_ids`,
+`ignore_eos`, `min_tokens`, `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode`
+("ar" | "chain" | "ddtree"), `tree_budget`.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto", "none", "required" or a named function (the answer
 then starts with that call: the verifier forces its opening tokens, the arguments are the model's). `presence_penalty`,

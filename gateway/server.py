@@ -15,6 +15,7 @@ from service_kit import __version__
 from service_kit.errors import InvalidArgument, Unavailable
 from service_kit.logs import configure_logging, get_logger
 from service_kit.server import Lifecycle, Service, run_server
+from service_kit.tls import server_context, server_credentials as tls_server_credentials
 
 log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
@@ -105,12 +106,15 @@ async def follow_verifier(gateway: Gateway, lifecycle: Lifecycle, period_s: floa
 def main(config: GatewayConfig) -> int:
     configure_logging("gateway", config.log_level, json=config.log_format == "json")
     tokenizer = KimiTokenizer.from_dir(config.model)
+    tls = config.ssl_certfile != ""
+    credentials = tls_server_credentials(config.ssl_certfile, config.ssl_keyfile) if tls else None
+    ssl_context = server_context(config.ssl_certfile, config.ssl_keyfile) if tls else None
 
     async def run() -> None:
         gateway = Gateway(config, tokenizer)
         lifecycle = Lifecycle()
         tasks = []
-        http = await start_http(gateway, lifecycle, config) if config.http_port else None
+        http = await start_http(gateway, lifecycle, config, ssl_context) if config.http_port else None
 
         async def warmup() -> None:
             await gateway.connect()
@@ -125,7 +129,7 @@ def main(config: GatewayConfig) -> int:
 
         await run_server(config, [Service(pb_grpc.add_GenerationServicer_to_server, GenerationServicer(gateway),
                                           SERVICE_NAME)], lifecycle=lifecycle, warmup=warmup, on_stop=on_stop,
-                         api_key=config.api_key)
+                         api_key=config.api_key, credentials=credentials)
 
     asyncio.run(run())
     return 0

@@ -9,6 +9,7 @@ import grpc
 
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc as pb_grpc
+from service_kit import tls
 
 MODES = {"default": pb.SPEC_MODE_UNSPECIFIED, "ar": pb.SPEC_MODE_AR,
          "chain": pb.SPEC_MODE_CHAIN, "ddtree": pb.SPEC_MODE_DDTREE}
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
     fmt.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid against this JSON Schema file")
     fmt.add_argument("--regex", help="the answer matches this regular expression")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    tls.add_client_arguments(p)
     p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY", ""),
                    help="the gateway's bearer token [env DDTREE_API_KEY]")
     p.set_defaults(func=generate)
@@ -96,7 +98,7 @@ class ChunkPrinter:
 
 
 def generate(args) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with tls.client_channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None

@@ -192,9 +192,11 @@ class Service:
 
 async def run_server(config: ServerConfig, services: list[Service], *, lifecycle: Lifecycle | None = None,
                      warmup: Callable[[], Awaitable[None]] | None = None,
-                     on_stop: Callable[[], Awaitable[None]] | None = None, api_key: str = "") -> None:
+                     on_stop: Callable[[], Awaitable[None]] | None = None, api_key: str = "",
+                     credentials: grpc.ServerCredentials | None = None) -> None:
     """Serves until SIGTERM/SIGINT, then drains and stops. `warmup` runs after the port is bound;
-    `api_key`, when set, is the bearer token every call but health and reflection must carry."""
+    `api_key`, when set, is the bearer token every call but health and reflection must carry; `credentials`, when
+    set, put the port on TLS (service_kit/tls.py)."""
     lifecycle = lifecycle or Lifecycle()
     if config.metrics_port:
         prometheus_client.start_http_server(config.metrics_port)
@@ -206,12 +208,13 @@ async def run_server(config: ServerConfig, services: list[Service], *, lifecycle
     names = [s.full_name for s in services]
     lifecycle._health, lifecycle._names = health_servicer, names
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("listening", port=port, services=names, metrics_port=config.metrics_port)
+    log.info("listening", port=port, services=names, metrics_port=config.metrics_port, tls=credentials is not None)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -34,7 +34,9 @@ def _health_cmd(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    from service_kit import tls
+
+    with tls.client_channel(args) as channel:
         try:
             r = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s)
@@ -49,6 +51,7 @@ def _health_cmd(args) -> int:
 def add_parsers(sub) -> None:
     from drafter_service import bench_draft
     from kernels import bench_all_reduce, cli as kernels_cli  # light imports: no torch until a command runs
+    from service_kit import tls
     from tools import bench_grammar, bench_spec, budget_replay
     from verifier_service import bench_verify
 
@@ -66,6 +69,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--address", default="localhost:50051")
     p.add_argument("--service", default="", help="e.g. ddtree.v1.Generation ('' = process liveness)")
     p.add_argument("--timeout-s", type=float, default=3.0)
+    tls.add_client_arguments(p)
     p.set_defaults(func=_health_cmd)
 
     p = sub.add_parser("make-tiny", help="write a small random checkpoint in the K2.6 on-disk format")
