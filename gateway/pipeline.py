@@ -23,14 +23,12 @@ from gateway.tool_calls import ToolCallParser
 from gateway.stops import StopMatcher
 from gateway.tokenizer import KimiTokenizer
 from gateway.validation import Job, Limits
+from service_kit import trace_context
 from service_kit.errors import ResourceExhausted, ServiceError, Unavailable
 from service_kit.logs import get_logger
-from service_kit import trace_context
 from service_kit.server import channel_options
 
 VERIFIER_SERVICE = "ddtree.internal.v1.Verifier"
-
-
 log = get_logger("gateway")
 
 

@@ -22,10 +22,10 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service_kit import trace_context
 from service_kit.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, grpc_authorization
 from service_kit.config import ServerConfig
 from service_kit.errors import ServiceError
-from service_kit import trace_context
 
 log = structlog.get_logger("service_kit.server")
 
