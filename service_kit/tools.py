@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def _make_tiny_cmd(args) -> int:
 
 
 def _health_cmd(args) -> int:
-    """Exit 0 iff the service reports SERVING (used by container health checks)."""
+    """Exit 0 iff the service reports SERVING (used by container health checks) and, with --deep, the gateway
+    generates one token end to end."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -43,9 +45,32 @@ def _health_cmd(args) -> int:
         except grpc.RpcError as e:
             print(f"{args.address} {args.service!r}: {e.code().name}", file=sys.stderr)
             return 1
-    serving = r.status == health_pb2.HealthCheckResponse.SERVING
-    print(f"{args.address} {args.service!r}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
-    return 0 if serving else 1
+        serving = r.status == health_pb2.HealthCheckResponse.SERVING
+        print(f"{args.address} {args.service!r}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
+        if not serving:
+            return 1
+        return 0 if not args.deep or _deep_probe(channel, args) else 1
+
+
+def _deep_probe(channel, args) -> bool:
+    """One real token through gateway, verifier and model (a canary, not for the frequent liveness poll)."""
+    import time
+
+    import grpc
+
+    from ddtree.v1 import generation_pb2 as pb
+    from ddtree.v1 import generation_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_new_tokens=1, ignore_eos=True))
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    t0 = time.monotonic()
+    try:
+        r = pb_grpc.GenerationStub(channel).GenerateUnary(req, timeout=args.timeout_s, metadata=metadata)
+    except grpc.RpcError as e:
+        print(f"deep: {e.code().name}: {e.details()}", file=sys.stderr)
+        return False
+    print(f"deep: {len(r.token_ids)} token in {1e3 * (time.monotonic() - t0):.0f} ms")
+    return len(r.token_ids) == 1
 
 
 def add_parsers(sub) -> None:
@@ -69,6 +94,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--address", default="localhost:50051")
     p.add_argument("--service", default="", help="e.g. ddtree.v1.Generation ('' = process liveness)")
     p.add_argument("--timeout-s", type=float, default=3.0)
+    p.add_argument("--deep", action="store_true",
+                   help="also generate one token through the gateway (a canary: gateway, verifier and model)")
+    p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY", ""),
+                   help="the gateway's bearer token, for --deep [env DDTREE_API_KEY]")
     tls.add_client_arguments(p)
     p.set_defaults(func=_health_cmd)
 

@@ -616,3 +616,18 @@ def test_traceparent_reaches_every_log_line_of_the_request(idle, via):
     assert vf["parent_span_id"] == gw["span_id"] and vf["span_id"] not in (parent, gw["span_id"])
     assert gw["request_id"] == vf["request_id"] and gw["outcome"] == "FINISH_REASON_LENGTH"
     assert gw["completion_tokens"] == vf["completion_tokens"] == "8" and gw["mode"] == "SPEC_MODE_DDTREE"
+
+
+@pytest.mark.parametrize("key, ok", [(KEY, True), ("wrong", False)])
+def test_deep_health_probe_generates_one_token(stack, key, ok):
+    """`ddtree health --deep`: SERVING and one real token through gateway, verifier and model (the bearer token from
+    DDTREE_API_KEY); with a wrong token the health check passes but the probe does not."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "service_kit.cli", "health", f"--address={stack.gateway.address}",
+                        "--service=ddtree.v1.Generation", "--deep", "--timeout-s=60"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "DDTREE_API_KEY": key})
+    assert r.returncode == (0 if ok else 1), r.stdout + r.stderr
+    assert ("deep: 1 token in" in r.stdout) == ok and ("UNAUTHENTICATED" in r.stderr) != ok
