@@ -128,6 +128,16 @@ class Gateway:
         result.text, result.reasoning_text = "".join(text), "".join(reasoning)
         return result
 
+    async def cancel(self, request_ids: list[str], timeout_s: float = 5.0) -> list[str]:
+        """The public Cancel: each id's verifier session, in order; returns the ids that were generating."""
+        found = []
+        for rid in request_ids:
+            r = await self.verifier.Cancel(vpb.CancelRequest(request_id=rid), timeout=timeout_s,
+                                           metadata=trace_context.outgoing())
+            if r.found:
+                found.append(rid)
+        return found
+
     async def _relay(self, job: Job, call, t0: float):
         out = OutputText(self.tokenizer, job)
         last = None

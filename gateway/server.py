@@ -10,7 +10,7 @@ from gateway.config import GatewayConfig
 from gateway.http_api import start_http
 from gateway.pipeline import Gateway
 from gateway.tokenizer import KimiTokenizer
-from gateway.validation import check_token_ids, to_job
+from gateway.validation import check_cancel, check_token_ids, to_job
 from service_kit import __version__
 from service_kit.errors import InvalidArgument, Unavailable
 from service_kit.logs import configure_logging, get_logger
@@ -21,7 +21,7 @@ log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
 FEATURES = ("ar", "chain", "ddtree", "sampling", "min_p", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
             "stop_strings", "min_new_tokens", "chat", "spec_stats", "reasoning_text", "tool_calls", "tool_choice",
-            "prefix_cache_usage", "response_format", "generate_unary", "detokenize")
+            "prefix_cache_usage", "response_format", "generate_unary", "detokenize", "cancel")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -62,6 +62,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         check_token_ids(request.token_ids, tok.vocab_size, "token_ids")
         return pb.DetokenizeResponse(text=tok.decode(list(request.token_ids),
                                                      skip_special_tokens=request.skip_special_tokens))
+
+    async def Cancel(self, request, context):
+        return pb.CancelResponse(cancelled=await self.gateway.cancel(check_cancel(request)))
 
     async def GetServerInfo(self, request, context):
         if self.gateway.info is not None:

@@ -191,3 +191,17 @@ def check_token_ids(ids, vocab_size: int, field: str) -> None:
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"{field}[{bad}]", f"{ids[bad]} is outside [0, {vocab_size})")
+
+
+MAX_CANCEL_IDS = 1024
+
+
+def check_cancel(req: pb.CancelRequest) -> list[str]:
+    """A public CancelRequest's ids; INVALID_ARGUMENT naming `request_ids` (or the empty one)."""
+    ids = list(req.request_ids)
+    if not 1 <= len(ids) <= MAX_CANCEL_IDS:
+        raise InvalidArgument("request_ids", f"1 to {MAX_CANCEL_IDS} ids, got {len(ids)}")
+    bad = next((i for i, rid in enumerate(ids) if not 0 < len(rid) <= 256), None)
+    if bad is not None:
+        raise InvalidArgument(f"request_ids[{bad}]", "must be 1 to 256 characters")
+    return ids

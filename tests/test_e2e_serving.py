@@ -352,6 +352,21 @@ def test_verifier_cancel_rpc_ends_stream_cancelled(idle):
     assert not idle.verifier_stub.Cancel(vpb.CancelRequest(request_id=stream.req.request_id), timeout=5).found
 
 
+def test_public_cancel_rpc_ends_stream_cancelled(idle):
+    """The gateway's Cancel (for routers that hold ids, not streams): the stream ends CANCELLED, its pages and drafter
+    session are freed, and only ids that were generating come back."""
+    def cancel(s):
+        r = idle.generation.Cancel(pb.CancelRequest(request_ids=["not-generating", s.req.request_id]), timeout=5)
+        assert list(r.cancelled) == [s.req.request_id]
+    stream = _cancel_and_check_freed(idle, cancel)
+    assert stream.error is None and stream.final.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert not idle.generation.Cancel(pb.CancelRequest(request_ids=[stream.req.request_id]), timeout=5).cancelled
+    for ids, field in (([], "request_ids"), (["a", ""], "request_ids[1]"), (["x" * 257], "request_ids[0]")):
+        with pytest.raises(grpc.RpcError) as e:
+            idle.generation.Cancel(pb.CancelRequest(request_ids=ids), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value
+
+
 def _bad(**changes):
     """A valid request with some fields changed; `input=None` clears the prompt."""
     def build(info):
