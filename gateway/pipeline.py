@@ -63,6 +63,13 @@ class Gateway:
             raise Unavailable("gateway is not connected to a verifier yet")
         return self.limits
 
+    async def verifier_info(self, timeout_s: float = 2.0) -> vpb.VerifierInfo:
+        """The verifier's info now (its load); UNAVAILABLE when it does not answer."""
+        try:
+            return await self.verifier.GetInfo(vpb.GetVerifierInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _downstream_error(e) from e
+
     async def refresh_info(self) -> None:
         """Re-reads the verifier's info (drafter replicas come and go); keeps the last one if it is down."""
         try:

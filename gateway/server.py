@@ -21,7 +21,7 @@ log = get_logger("gateway")
 SERVICE_NAME = "ddtree.v1.Generation"
 FEATURES = ("ar", "chain", "ddtree", "sampling", "min_p", "penalties", "logit_bias", "logprobs", "prompt_logprobs",
             "stop_strings", "min_new_tokens", "chat", "spec_stats", "reasoning_text", "tool_calls", "tool_choice",
-            "prefix_cache_usage", "response_format", "generate_unary", "detokenize", "cancel")
+            "prefix_cache_usage", "response_format", "generate_unary", "detokenize", "cancel", "load")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -66,6 +66,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Cancel(self, request, context):
         return pb.CancelResponse(cancelled=await self.gateway.cancel(check_cancel(request)))
 
+    async def GetLoad(self, request, context):
+        return load(self.gateway, await self.gateway.verifier_info())
+
     async def GetServerInfo(self, request, context):
         if self.gateway.info is not None:
             await self.gateway.refresh_info()  # replica health, block size: live, not as at start-up
@@ -76,7 +79,7 @@ def server_info(gateway: Gateway) -> pb.ServerInfo:
     info = gateway.info
     if info is None:
         raise Unavailable("gateway is not connected to a verifier yet")
-    healthy = sum(1 for d in info.drafters if d.state == "healthy")
+    healthy = sum(1 for d in info.drafters if d.state == "healthy")  # as `load` counts them
     return pb.ServerInfo(
         model_name=info.model_name, version=__version__, vocab_size=info.vocab_size,
         max_context_length=info.max_context_length, max_new_tokens_limit=info.max_new_tokens_limit,
@@ -86,6 +89,14 @@ def server_info(gateway: Gateway) -> pb.ServerInfo:
         supported_features=FEATURES + (("openai_http", "anthropic_http") if gateway.config.http_port else ()),
         verifier_world_size=info.world_size, drafter_replicas=len(info.drafters),
         drafter_replicas_healthy=healthy, max_concurrent_requests=gateway.config.max_concurrent_requests)
+
+
+def load(gateway: Gateway, info) -> pb.Load:
+    """The public Load from the gateway's count and the verifier's GetInfo."""
+    return pb.Load(running_requests=gateway.running, max_concurrent_requests=gateway.config.max_concurrent_requests,
+                   live_sessions=info.live_sessions, kv_pages_total=info.pages_total, kv_pages_used=info.pages_used,
+                   kv_pages_cached=info.pages_cached, drafter_replicas=len(info.drafters),
+                   drafter_replicas_healthy=sum(1 for d in info.drafters if d.state == "healthy"))
 
 
 async def follow_verifier(gateway: Gateway, lifecycle: Lifecycle, period_s: float = 1.0) -> None:

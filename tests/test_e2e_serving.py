@@ -352,6 +352,22 @@ def test_verifier_cancel_rpc_ends_stream_cancelled(idle):
     assert not idle.verifier_stub.Cancel(vpb.CancelRequest(request_id=stream.req.request_id), timeout=5).found
 
 
+def test_get_load_follows_a_stream(idle):
+    """GetLoad: nothing in flight when idle; one request, one session and its KV pages while a stream runs (the
+    verifier's own GetInfo is the reference for the pages)."""
+    g = idle.generation
+    quiet = g.GetLoad(pb.GetLoadRequest(), timeout=5)
+    assert (quiet.running_requests, quiet.live_sessions, quiet.kv_pages_used) == (0, 0, 0)
+    assert quiet.kv_pages_total == idle.verifier_info().pages_total > 0 and quiet.max_concurrent_requests == 64
+    assert quiet.drafter_replicas == quiet.drafter_replicas_healthy == 1
+    stream = Streaming(g, gen_request(PROMPTS[2], 250, mode=pb.SPEC_MODE_DDTREE, budget=16))
+    stream.wait_tokens(3)
+    busy = g.GetLoad(pb.GetLoadRequest(), timeout=5)
+    stream.call.cancel()
+    stream.join(10)
+    assert (busy.running_requests, busy.live_sessions) == (1, 1) and busy.kv_pages_used > 0
+
+
 def test_public_cancel_rpc_ends_stream_cancelled(idle):
     """The gateway's Cancel (for routers that hold ids, not streams): the stream ends CANCELLED, its pages and drafter
     session are freed, and only ids that were generating come back."""
