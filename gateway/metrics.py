@@ -18,6 +18,13 @@ ITL = Histogram("ddtree_inter_token_latency_seconds", "Time between tokens, per 
 E2E = Histogram("ddtree_e2e_request_latency_seconds", "Request arrival to final message", buckets=LATENCY_BUCKETS)
 PROMPT_TOKENS = Counter("ddtree_prompt_tokens_total", "Prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("ddtree_generation_tokens_total", "Tokens streamed to clients")
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+REQUEST_PROMPT_TOKENS = Histogram("ddtree_request_prompt_tokens", "Prompt tokens per finished request",
+                                  buckets=TOKEN_BUCKETS)
+REQUEST_GENERATION_TOKENS = Histogram("ddtree_request_generation_tokens", "Generated tokens per finished request",
+                                      buckets=TOKEN_BUCKETS)
+TPOT = Histogram("ddtree_request_time_per_output_token_seconds", "Per request: (last token - first token) / "
+                 "(generated tokens - 1), for requests of 2+ tokens", buckets=LATENCY_BUCKETS)
 ACCEPTANCE = Histogram("ddtree_request_spec_decode_acceptance_length",
                        "Per-request mean tokens committed per verify step",
                        buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 16))

@@ -117,7 +117,7 @@ class Gateway:
             metrics.RUNNING.dec()
             metrics.REQUESTS.labels(reason).inc()
             metrics.E2E.observe(time.monotonic() - t0)
-            _log_finished(job, reason, final, t0, first)
+            _record_finished(job, reason, final, t0, first)
 
     async def generate_result(self, job: Job, timeout_s: float) -> pb.GenerateResult:
         """GenerateUnary: the messages of `generate`, the chunks' fields concatenated in order."""
@@ -250,10 +250,17 @@ def _downstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
     return ServiceError(f"verifier: {e.details()}", code)
 
 
-def _log_finished(job: Job, outcome: str, final: pb.Final | None, t0: float, first: float | None) -> None:
+def _record_finished(job: Job, outcome: str, final: pb.Final | None, t0: float, first: float | None) -> None:
     """The request's one summary line (its trace_id and span_id come from the log context): outcome is the finish
-    reason, or the status code that ended it (CANCELLED, DEADLINE_EXCEEDED, ...). Seconds; no prompt or output text."""
+    reason, or the status code that ended it (CANCELLED, DEADLINE_EXCEEDED, ...). Seconds; no prompt or output text.
+    Also its per-request histograms."""
     now = time.monotonic()
+    if final is not None:
+        n = final.usage.completion_tokens
+        metrics.REQUEST_PROMPT_TOKENS.observe(final.usage.prompt_tokens)
+        metrics.REQUEST_GENERATION_TOKENS.observe(n)
+        if n >= 2 and first is not None:
+            metrics.TPOT.observe((now - first) / (n - 1))
     fields = dict(request_id=job.request.request_id, outcome=outcome, prompt_tokens=len(job.request.prompt_ids),
                   ttft_s=None if first is None else round(first - t0, 4), e2e_s=round(now - t0, 4))
     if final is not None:

@@ -9,11 +9,12 @@ output must still equal plain AR token for token, greedy and seeded sampling ali
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 from scripted_drafter import Faults, Record, ScriptedDrafter, ScriptedDrafterServer
-from stack import (PROMPTS, first_difference, gen_request, generate, generate_many, new_stack, ok, pb,  # noqa: F401
-                   tiny_ckpt, wait_until)
+from stack import (PROMPTS, first_difference, free_port, gen_request, generate, generate_many, new_stack, ok,  # noqa: F401
+                   pb, tiny_ckpt, wait_until)
 
 N = 64  # new tokens compared per request
 CONFIGS = [(pb.SPEC_MODE_DDTREE, 4), (pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_DDTREE, 64), (pb.SPEC_MODE_CHAIN, None)]
@@ -31,8 +32,9 @@ def scripted(request, tiny_ckpt, tmp_path_factory):
             # A short feature window: resyncs resend rows from s - 16, not from 0.
             # The scripted trees plan each step's accepted length: every node is verified (no adaptive budget, the
             # stack's default).
-            st.add_verifier("--feature-window", "16", "--draft-deadline-ms", "1000", drafters=[server.address],
-                            wait=False)
+            st.verifier_metrics = free_port()
+            st.add_verifier("--feature-window", "16", "--draft-deadline-ms", "1000", "--metrics-port",
+                            str(st.verifier_metrics), drafters=[server.address], wait=False)
             st.add_gateway()
             yield st, drafter
     finally:
@@ -292,3 +294,32 @@ def test_prefix_cache_hit_sends_the_stored_feature_rows(scripted, drafter):
     # the last 16 rows before the root, 5 prefilled and 11 from the store (without it: 48)
     assert drafter.record.reset_starts[:1] == [len(longer) - 16], drafter.record.reset_starts
     assert drafter.record.violations == []
+
+
+def _samples(st) -> dict[str, float]:
+    """The verifier's /metrics as {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{st.verifier_metrics}/metrics", timeout=10) as r:
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in r.read().decode().splitlines()
+                                        if line and not line.startswith("#"))}
+
+
+def test_per_depth_acceptance_metrics_match_the_requests_histograms(scripted, drafter):
+    """ddtree_spec_decode_num_accepted_tokens_per_pos_total{position=p} counts the steps that accepted more than p
+    draft tokens; ddtree_spec_tree_depth counts one tree per step. Their deltas over a run of scripted requests
+    (every accepted length 0..B-1 occurs) must equal what the requests' own acceptance histograms say."""
+    st, _ = scripted
+    refs = ar_references(st, N)
+    before = _samples(st)
+    got = run_scripted(st, drafter, refs, pb.SPEC_MODE_DDTREE, 16)
+    after = _samples(st)
+    hist = histogram(got)
+    assert len(hist) > 2 and hist[-1] > 0, hist
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for p in range(len(hist) + 1):
+        assert delta(f'ddtree_spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}') == sum(hist[p + 1:]), p
+    steps = sum(hist)
+    assert delta("ddtree_spec_tree_depth_count") == delta("ddtree_spec_decode_num_drafts_total") == steps
+    assert delta("ddtree_spec_decode_num_accepted_tokens_total") == sum(k * c for k, c in enumerate(hist))

@@ -631,3 +631,24 @@ def test_deep_health_probe_generates_one_token(stack, key, ok):
                        capture_output=True, text=True, timeout=120, env={**os.environ, "DDTREE_API_KEY": key})
     assert r.returncode == (0 if ok else 1), r.stdout + r.stderr
     assert ("deep: 1 token in" in r.stdout) == ok and ("UNAUTHENTICATED" in r.stderr) != ok
+
+
+def _gateway_samples(stack) -> dict[str, float]:
+    body = raw(stack, "GET", "/metrics", key=None)[1].decode()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in body.splitlines()
+                                    if line and not line.startswith("#"))}
+
+
+def test_per_request_histograms(idle, client):
+    """One request of 5 prompt and 6 generated tokens adds exactly that to the per-request histograms."""
+    before = _gateway_samples(idle)
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=[11, 12, 13, 14, 15], max_tokens=6,
+                                  extra_body=DDTREE)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 6)
+    after = _gateway_samples(idle)
+    for name, total in (("ddtree_request_prompt_tokens", 5), ("ddtree_request_generation_tokens", 6)):
+        assert after[f"{name}_count"] - before.get(f"{name}_count", 0) == 1
+        assert after[f"{name}_sum"] - before.get(f"{name}_sum", 0) == total
+    tpot = "ddtree_request_time_per_output_token_seconds"
+    assert after[f"{tpot}_count"] - before.get(f"{tpot}_count", 0) == 1
+    assert 0 < after[f"{tpot}_sum"] - before.get(f"{tpot}_sum", 0) < 60

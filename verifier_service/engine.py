@@ -22,6 +22,7 @@ from ddtree.v1 import generation_pb2 as pb
 from service_kit import busy_poll
 from service_kit.logs import get_logger
 from verifier_service import metrics
+from verifier_service.acceptance import tree_depths
 from verifier_service.budget import AdaptiveBudget
 from verifier_service.drafting import DraftPlanner, InFlight
 from verifier_service.forcing import forced_logits
@@ -340,7 +341,7 @@ class Engine:
         if self.budget is not None and s.params.mode != AR:
             self.budget.record(s.id, drafted, walk.accepted_rows, sampled=not s.params.greedy)
         s.stats.record(len(walk.accepted_rows) - 1, drafted, unavailable=not job["drafted"])
-        metrics.observe_acceptance(len(walk.accepted_rows), drafted)
+        metrics.observe_acceptance(len(walk.accepted_rows), drafted, max(tree_depths(job["parents"])))
         emits.append((s, walk.tokens, logprobs, top_logprobs(out.logits[lr], walk.accepted_rows,
                                                              s.params.top_logprobs), 1))
 

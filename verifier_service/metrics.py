@@ -18,6 +18,11 @@ ACCEPTANCE = Histogram("ddtree_spec_decode_acceptance_length_per_step", "Tokens 
 NUM_DRAFTS = Counter("ddtree_spec_decode_num_drafts_total", "Session verify steps")
 NUM_DRAFT_TOKENS = Counter("ddtree_spec_decode_num_draft_tokens_total", "Draft tree nodes verified")
 NUM_ACCEPTED = Counter("ddtree_spec_decode_num_accepted_tokens_total", "Draft tokens accepted")
+ACCEPTED_PER_POS = Counter("ddtree_spec_decode_num_accepted_tokens_per_pos_total",
+                           "Draft tokens accepted at each tree depth (position 0 = the first token after the root)",
+                           ["position"])  # <= the drafter's block size - 1 labels
+TREE_DEPTH = Histogram("ddtree_spec_tree_depth", "Depth of the draft tree verified per session step",
+                       buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
 DRAFT_UNAVAILABLE = Counter("ddtree_draft_unavailable_steps_total", "Session steps verified without a draft "
                             "because the drafter was late or failed")
 DRAFT_SKIPPED = Counter("ddtree_draft_skipped_steps_total", "Session steps verified root-only by choice: the adaptive "
@@ -46,9 +51,13 @@ def observe_step(*, draft_s: float, verify_s: float, accept_s: float, rows: int,
     STEP_ROWS.observe(rows)
 
 
-def observe_acceptance(committed: int, drafted: int) -> None:
+def observe_acceptance(committed: int, drafted: int, depth: int) -> None:
+    """One session step: `committed` tokens (root or bonus included) from a tree of `drafted` nodes, `depth` deep."""
     TREE_NODES.observe(drafted)
+    TREE_DEPTH.observe(depth)
     ACCEPTANCE.observe(committed)
     NUM_DRAFTS.inc()
     NUM_DRAFT_TOKENS.inc(drafted)
     NUM_ACCEPTED.inc(committed - 1)
+    for position in range(committed - 1):  # the accepted path holds one node per depth
+        ACCEPTED_PER_POS.labels(str(position)).inc()
