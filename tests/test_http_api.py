@@ -652,3 +652,20 @@ def test_per_request_histograms(idle, client):
     tpot = "ddtree_request_time_per_output_token_seconds"
     assert after[f"{tpot}_count"] - before.get(f"{tpot}_count", 0) == 1
     assert 0 < after[f"{tpot}_sum"] - before.get(f"{tpot}_sum", 0) < 60
+
+
+def test_verifier_phase_histograms(idle, client):
+    """One request adds one observation to each of the verifier's queue, prefill and decode histograms, and the
+    three add up to less than the gateway's end-to-end time for it."""
+    names = [f"ddtree_request_{p}_time_seconds" for p in ("queue", "prefill", "decode")]
+    before = {n: (_verifier_metric(idle, n + "_count"), _verifier_metric(idle, n + "_sum")) for n in names}
+    t0 = time.monotonic()
+    client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=8,
+                              extra_body=DDTREE)
+    e2e = time.monotonic() - t0
+    spent = 0.0
+    for n in names:
+        count, total = _verifier_metric(idle, n + "_count"), _verifier_metric(idle, n + "_sum")
+        assert count - before[n][0] == 1, n
+        spent += total - before[n][1]
+    assert 0 < spent < e2e

@@ -156,6 +156,7 @@ class Engine:
                                     error_code="RESOURCE_EXHAUSTED"))
                 break
             self.waiting.popleft()
+            s.admitted_s = time.monotonic()
             # prompt logprobs need every prompt row's logits: no prefix reuse then
             cached = self.table.open(s.id, None if s.params.prompt_logprobs else s.prompt)
             s.skip_cached(cached, self._stored_features(s, cached))
@@ -398,6 +399,8 @@ class Engine:
     def _settle(self, s: Session, tokens: list[int]):
         """A step's tokens → (kept, finish reason or None, stop id); advances the session's counters."""
         kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
+        if s.first_token_s is None:
+            s.first_token_s = time.monotonic()
         s.emitted += len(kept)
         s.output += kept
         if s.penalties is not None:  # made at the session's first penalized row, which this step had
@@ -429,7 +432,8 @@ class Engine:
             self._finish(self.active[sid], Emission([], [], 0, finish_reason=pb.FINISH_REASON_CANCELLED))
 
     def _finish(self, s: Session, final: Emission) -> None:
-        s.finished = True
+        s.finished, s.finished_s = True, time.monotonic()
+        metrics.observe_phases(s.phase_seconds(s.finished_s))
         self.active.pop(s.id, None)
         self.reserved.pop(s.id, None)
         if s.id in self.table.sessions():

@@ -51,6 +51,21 @@ def observe_step(*, draft_s: float, verify_s: float, accept_s: float, rows: int,
     STEP_ROWS.observe(rows)
 
 
+REQUEST_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84,
+                   600.0)
+PHASE_SECONDS = {name: Histogram(f"ddtree_request_{name}_time_seconds", what, buckets=REQUEST_BUCKETS)
+                 for name, what in (("queue", "Per request: submitted to admitted to the decode loop (waiting for KV "
+                                              "pages or a batch slot)"),
+                                    ("prefill", "Per request: admitted to its first token"),
+                                    ("decode", "Per request: first token to finish"))}
+
+
+def observe_phases(seconds: dict[str, float]) -> None:
+    """A finished session's Session.phase_seconds (the phases it reached)."""
+    for name, s in seconds.items():
+        PHASE_SECONDS[name].observe(s)
+
+
 def observe_acceptance(committed: int, drafted: int, depth: int) -> None:
     """One session step: `committed` tokens (root or bonus included) from a tree of `drafted` nodes, `depth` deep."""
     TREE_NODES.observe(drafted)

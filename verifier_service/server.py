@@ -95,7 +95,8 @@ def _log_finished(s: Session, f: vpb.VerifierFinal) -> None:
              prompt_tokens=f.prompt_tokens, cached_prompt_tokens=f.cached_prompt_tokens,
              completion_tokens=f.completion_tokens, mode=pb.SpecMode.Name(st.mode), verify_steps=st.verify_steps,
              draft_unavailable_steps=st.draft_unavailable_steps,
-             mean_acceptance_length=round(st.mean_acceptance_length, 3))
+             mean_acceptance_length=round(st.mean_acceptance_length, 3),
+             **{f"{phase}_s": round(v, 4) for phase, v in s.phase_seconds(time.monotonic()).items()})
 
 
 def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:

@@ -3,6 +3,7 @@ drafter, stop handling and speculative statistics. Plain Python; the engine muta
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -170,6 +171,21 @@ class Session:
     stats: SpecCounters = field(default_factory=SpecCounters)
     penalties: object | None = None  # penalties.Penalties, made at the first penalized step
     constraint: object | None = None  # grammar.Constraint of a structured-output request
+    # time.monotonic() at submit, admission to the decode loop, the first emitted token and the finish (None: not yet)
+    submitted_s: float = field(default_factory=time.monotonic)
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    def phase_seconds(self, now: float) -> dict[str, float]:
+        """Seconds spent waiting for admission, prefilling (admission to the first token) and decoding (first token
+        to the finish, or to `now` before it), for the phases the session reached."""
+        now = self.finished_s if self.finished_s is not None else now
+        out, marks = {}, (("queue", self.submitted_s), ("prefill", self.admitted_s), ("decode", self.first_token_s))
+        for (name, start), (_, end) in zip(marks, (*marks[1:], ("", now))):
+            if start is not None:
+                out[name] = (end if end is not None else now) - start
+        return out
 
     def __post_init__(self):
         self.rng = SessionRng(self.params.seed)
