@@ -161,6 +161,8 @@ class Gateway:
             last = now
             metrics.GENERATION_TOKENS.inc(len(c.token_ids))
             reasoning, text, calls, matched = out.feed(c.token_ids)
+            if matched is not None and job.include_stop:
+                text += matched
             yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=c.token_ids, text=text, logprobs=c.logprobs,
                                                      num_verify_steps=c.num_verify_steps, reasoning_text=reasoning,
                                                      tool_calls=calls, top_logprobs=c.top_logprobs,

@@ -36,6 +36,7 @@ class Limits:
 class Job:
     request: vpb.VerifierGenerateRequest
     stops: tuple[str, ...]
+    include_stop: bool = False  # StoppingCriteria.include_stop_str_in_output
     think: ThinkTokens | None = None  # chat input: split the thinking block off the answer
     tools: ToolCallTokens | None = None  # chat input: parse tool calls out of the answer
 
@@ -166,8 +167,8 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             min_new_tokens=req.stopping.min_new_tokens,
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
             return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs),
-        stops=tuple(req.stopping.stop), think=tok.think_tokens if chat else None,
-        tools=tok.tool_call_tokens if chat else None)
+        stops=tuple(req.stopping.stop), include_stop=req.stopping.include_stop_str_in_output,
+        think=tok.think_tokens if chat else None, tools=tok.tool_call_tokens if chat else None)
 
 
 def choice_jobs(job: Job, n: int) -> list[Job]:

@@ -519,6 +519,10 @@ def test_stop_string_truncates_text_and_reports_stats(idle, ar_refs):
     assert r.text == ref.text[:cut]
     assert r.final.finish_reason == pb.FINISH_REASON_STOP and r.final.matched_stop == stop
     assert r.final.spec_stats.verify_steps > 0 and r.final.spec_stats.mode == pb.SPEC_MODE_DDTREE
+    req.request_id += "-included"  # vLLM's include_stop_str_in_output: the text ends with the stop string
+    req.stopping.include_stop_str_in_output = True
+    r = generate(idle.generation, req)
+    assert r.text == ref.text[:cut + len(stop)] and r.final.matched_stop == stop
 
 
 def test_generate_unary_equals_the_stream_concatenated(idle):

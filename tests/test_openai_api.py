@@ -38,6 +38,8 @@ def test_completion_fields_land_in_the_proto():
     assert req.sampling.min_p == 0.25
     assert req.stopping.max_new_tokens == 12 and list(req.stopping.stop) == ["\n"]
     assert list(req.stopping.stop_token_ids) == [3] and req.stopping.ignore_eos
+    assert not req.stopping.include_stop_str_in_output
+    assert completion_request({"prompt": "x", "include_stop_str_in_output": True}).stopping.include_stop_str_in_output
     assert req.speculation.mode == pb.SPEC_MODE_CHAIN and req.speculation.tree_budget == 4
 
 
