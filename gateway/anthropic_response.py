@@ -5,7 +5,7 @@ Content blocks in order of arrival: the thinking block (`thinking`, with an empt
 answer's `text`, and a `tool_use` block per call (its `input` the call's JSON arguments; arguments that are not a
 JSON object come as {"arguments": "<text>"}). Stop reasons: end_turn, tool_use (the turn ended after calls),
 max_tokens, stop_sequence (with the matched string). Usage: `input_tokens` are the prompt tokens not read from the
-prefix cache, `cache_read_input_tokens` the rest; DDTree's `spec_stats` ride beside `usage`.
+prefix cache, `cache_read_input_tokens` the rest; DDTree's `spec_stats` and `timing` ride beside `usage`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 from google.protobuf import json_format
 
 from ddtree.v1 import generation_pb2 as pb
+from gateway.openai_response import timing_dict
 
 
 def tool_input(arguments: str) -> dict:
@@ -96,7 +97,7 @@ class AnthropicResponse:
         self.final = final
         return self._close() + [
             {"type": "message_delta", "delta": self._stop(final), "usage": self._usage(final),
-             "spec_stats": self._spec_stats(final)},
+             "spec_stats": self._spec_stats(final), "timing": timing_dict(final)},
             {"type": "message_stop"}]
 
     def add(self, msg: pb.GenerateResponse) -> None:
@@ -108,4 +109,5 @@ class AnthropicResponse:
     def message(self) -> dict:
         """The whole response, after `add` saw the final message."""
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
-                **self._stop(self.final), "usage": self._usage(self.final), "spec_stats": self._spec_stats(self.final)}
+                **self._stop(self.final), "usage": self._usage(self.final), "spec_stats": self._spec_stats(self.final),
+                "timing": timing_dict(self.final)}

@@ -17,8 +17,8 @@ FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "sto
 class OpenAIResponse:
     """One choice's `GenerateResponse` messages as OpenAI JSON: streamed chunks (`start`, `chunk`, `end`) or,
     after `add`ing every message, the whole `response()`; `merged_response` and `usage_event` join a request's
-    choices. Extensions: `spec_stats` beside `usage` (DDTree's
-    per-request speculation summary) and vLLM's `stop_reason` (the matched stop string or token id)."""
+    choices. Extensions: `spec_stats` beside `usage` (DDTree's per-request speculation summary), `timing` (where the
+    request's time went, seconds: Final.timing) and vLLM's `stop_reason` (the matched stop string or token id)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, tokenizer, logprobs: bool, index: int = 0,
                  echo: tuple[list[int], str] | None = None, prompt_only: bool = False):
@@ -110,7 +110,7 @@ class OpenAIResponse:
                           "total_tokens": u.prompt_tokens + u.completion_tokens,
                           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
                           "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}},
-                "spec_stats": stats}
+                "spec_stats": stats, "timing": timing_dict(final)}
 
     def start(self) -> dict | None:
         """The stream's first event: chat announces the assistant role; completions send nothing."""
@@ -141,8 +141,9 @@ class OpenAIResponse:
         """The choice's last stream event: its finish reason, with its spec_stats."""
         self.final = final
         body = {"delta": {}} if self.chat else {"text": ""}
+        done = self._usage_and_stats(final)
         return self._envelope([{"index": self.index, **body, "logprobs": None, **self._finish(final)}], True,
-                              spec_stats=self._usage_and_stats(final)["spec_stats"])
+                              spec_stats=done["spec_stats"], timing=done["timing"])
 
     def add(self, msg: pb.GenerateResponse) -> None:
         if msg.HasField("final"):
@@ -202,11 +203,17 @@ def merged_response(outs: list[OpenAIResponse]) -> dict:
     whole = [o.response() for o in outs]
     if len(whole) == 1:
         return whole[0]
-    choices = [{**w["choices"][0], "spec_stats": w["spec_stats"]} for w in whole]
-    rest = {k: v for k, v in whole[0].items() if k not in ("choices", "spec_stats")}
+    choices = [{**w["choices"][0], "spec_stats": w["spec_stats"], "timing": w["timing"]} for w in whole]
+    rest = {k: v for k, v in whole[0].items() if k not in ("choices", "spec_stats", "timing")}
     return {**rest, "choices": choices, "usage": _usage(outs)}
 
 
 def usage_event(outs: list[OpenAIResponse]) -> dict:
     """The stream's usage event (`stream_options.include_usage`), after every choice's end."""
     return outs[0]._envelope([], True, usage=_usage(outs))
+
+
+def timing_dict(final: pb.Final) -> dict:
+    """Final.timing as JSON (seconds): the verifier's queue_s, prefill_s, decode_s; the gateway's ttft_s, e2e_s."""
+    return json_format.MessageToDict(final.timing, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)

@@ -147,18 +147,21 @@ class Gateway:
 
     async def _relay(self, job: Job, call, t0: float):
         out = OutputText(self.tokenizer, job)
-        last = None
+        last = first = None
         async for msg in call:
             if msg.HasField("final"):
                 reasoning, tail = out.flush()
                 if tail or reasoning:
                     yield pb.GenerateResponse(chunk=pb.Chunk(text=tail, reasoning_text=reasoning))
-                yield pb.GenerateResponse(final=_final(msg.final, len(job.request.prompt_ids), out.reasoning_tokens))
+                final = _final(msg.final, len(job.request.prompt_ids), out.reasoning_tokens)
+                yield pb.GenerateResponse(final=_timed(final, msg.final.timing, t0, first))
                 return
             c = msg.chunk
             now = time.monotonic()
             _observe_latency(last, t0, now, len(c.token_ids))
             last = now
+            if first is None and c.token_ids:
+                first = now
             metrics.GENERATION_TOKENS.inc(len(c.token_ids))
             reasoning, text, calls, matched = out.feed(c.token_ids)
             if matched is not None and job.include_stop:
@@ -169,24 +172,25 @@ class Gateway:
                                                      prompt_logprobs=c.prompt_logprobs,
                                                      prompt_top_logprobs=c.prompt_top_logprobs))
             if matched is not None:
-                spec = await self._stop_generation(job, call)
-                yield pb.GenerateResponse(final=pb.Final(
-                    finish_reason=pb.FINISH_REASON_STOP, matched_stop=matched, spec_stats=spec,
-                    usage=pb.Usage(prompt_tokens=len(job.request.prompt_ids), completion_tokens=out.num_tokens,
-                                   reasoning_tokens=out.reasoning_tokens)))
+                closing = await self._stop_generation(job, call)
+                final = pb.Final(finish_reason=pb.FINISH_REASON_STOP, matched_stop=matched,
+                                 spec_stats=closing.spec_stats if closing else None,
+                                 usage=pb.Usage(prompt_tokens=len(job.request.prompt_ids),
+                                                completion_tokens=out.num_tokens, reasoning_tokens=out.reasoning_tokens))
+                yield pb.GenerateResponse(final=_timed(final, closing.timing if closing else None, t0, first))
                 return
         raise Unavailable("verifier stream ended without a final message")
 
-    async def _stop_generation(self, job: Job, call, timeout_s: float = 2.0) -> pb.SpecStats | None:
-        """A stop string matched: cancel the session (within one step) and take the speculative stats
-        from the verifier's closing message; without them in time, just drop the stream."""
+    async def _stop_generation(self, job: Job, call, timeout_s: float = 2.0) -> vpb.VerifierFinal | None:
+        """A stop string matched: cancel the session (within one step) and take the verifier's closing message (its
+        speculative stats and timing); without it in time, just drop the stream."""
         try:
             await self.verifier.Cancel(vpb.CancelRequest(request_id=job.request.request_id), timeout=timeout_s,
                                        metadata=trace_context.outgoing())
             async with asyncio.timeout(timeout_s):
                 async for msg in call:
                     if msg.HasField("final"):
-                        return msg.final.spec_stats
+                        return msg.final
         except (grpc.aio.AioRpcError, TimeoutError):
             pass
         finally:
@@ -243,6 +247,16 @@ def _final(f: vpb.VerifierFinal, prompt_tokens: int, reasoning_tokens: int) -> p
                                     reasoning_tokens=reasoning_tokens, cached_prompt_tokens=f.cached_prompt_tokens))
     if f.HasField("matched_stop_token_id"):
         final.matched_stop_token_id = f.matched_stop_token_id
+    return final
+
+
+def _timed(final: pb.Final, verifier: pb.Timing | None, t0: float, first: float | None) -> pb.Final:
+    """`final` with its Timing: the verifier's phases and the gateway's time to first token and end to end."""
+    if verifier is not None:
+        final.timing.CopyFrom(verifier)
+    final.timing.e2e_s = time.monotonic() - t0
+    if first is not None:
+        final.timing.ttft_s = first - t0
     return final
 
 

@@ -507,6 +507,20 @@ def test_admission_limit_rejects_the_excess(idle):
         gw.kill()
 
 
+def _check_timing(t: pb.Timing) -> None:
+    """The verifier's three phases are nested in the gateway's end-to-end time; the first token comes inside it."""
+    assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s >= 0, t
+    assert 0 < t.ttft_s <= t.e2e_s and t.queue_s + t.prefill_s + t.decode_s <= t.e2e_s, t
+    assert t.queue_s + t.prefill_s <= t.ttft_s, t  # the verifier's first token precedes the gateway's
+
+
+def test_final_timing(idle):
+    for mode in (pb.SPEC_MODE_AR, pb.SPEC_MODE_DDTREE):
+        r = generate(idle.generation, gen_request(PROMPTS[1], 16, mode=mode, budget=16))
+        _check_timing(r.final.timing)
+        assert r.final.timing.decode_s > 0  # 16 tokens: several steps after the first
+
+
 def test_stop_string_truncates_text_and_reports_stats(idle, ar_refs):
     """A stop string taken from the AR text: output is the AR text cut before its first occurrence,
     `matched_stop` names it, and the speculative stats come from the cancelled session."""
@@ -519,6 +533,7 @@ def test_stop_string_truncates_text_and_reports_stats(idle, ar_refs):
     assert r.text == ref.text[:cut]
     assert r.final.finish_reason == pb.FINISH_REASON_STOP and r.final.matched_stop == stop
     assert r.final.spec_stats.verify_steps > 0 and r.final.spec_stats.mode == pb.SPEC_MODE_DDTREE
+    _check_timing(r.final.timing)  # the stop path's final carries the cancelled session's timing too
     req.request_id += "-included"  # vLLM's include_stop_str_in_output: the text ends with the stop string
     req.stopping.include_stop_str_in_output = True
     r = generate(idle.generation, req)

@@ -669,3 +669,16 @@ def test_verifier_phase_histograms(idle, client):
         assert count - before[n][0] == 1, n
         spent += total - before[n][1]
     assert 0 < spent < e2e
+
+
+def test_responses_carry_timing(idle, client):
+    """`timing` beside `spec_stats` (seconds): the verifier's phases within the gateway's end-to-end time."""
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=6,
+                                  extra_body=DDTREE)
+    t = r.model_extra["timing"]
+    assert set(t) == {"queue_s", "prefill_s", "decode_s", "ttft_s", "e2e_s"}
+    assert 0 < t["ttft_s"] <= t["e2e_s"] and t["queue_s"] + t["prefill_s"] + t["decode_s"] <= t["e2e_s"]
+    events = list(client.completions.create(model=r.model, prompt=PROMPTS[0], max_tokens=6, stream=True,
+                                            extra_body=DDTREE))
+    last = events[-1].model_extra
+    assert last["timing"]["e2e_s"] > 0 and "spec_stats" in last

@@ -80,9 +80,11 @@ class VerifierServicer(vpb_grpc.VerifierServicer):
 
 
 def _final(s: Session, e: Emission, block_size: int) -> vpb.VerifierFinal:
+    phases = s.phase_seconds(time.monotonic())
     f = vpb.VerifierFinal(finish_reason=e.finish_reason, prompt_tokens=len(s.prompt),
                           completion_tokens=s.emitted, spec_stats=s.spec_stats(block_size),
-                          cached_prompt_tokens=s.cached_tokens)
+                          cached_prompt_tokens=s.cached_tokens,
+                          timing=pb.Timing(**{f"{phase}_s": v for phase, v in phases.items()}))
     if e.matched_stop_token_id is not None:
         f.matched_stop_token_id = e.matched_stop_token_id
     return f
@@ -95,8 +97,8 @@ def _log_finished(s: Session, f: vpb.VerifierFinal) -> None:
              prompt_tokens=f.prompt_tokens, cached_prompt_tokens=f.cached_prompt_tokens,
              completion_tokens=f.completion_tokens, mode=pb.SpecMode.Name(st.mode), verify_steps=st.verify_steps,
              draft_unavailable_steps=st.draft_unavailable_steps,
-             mean_acceptance_length=round(st.mean_acceptance_length, 3),
-             **{f"{phase}_s": round(v, 4) for phase, v in s.phase_seconds(time.monotonic()).items()})
+             mean_acceptance_length=round(st.mean_acceptance_length, 3), queue_s=round(f.timing.queue_s, 4),
+             prefill_s=round(f.timing.prefill_s, 4), decode_s=round(f.timing.decode_s, 4))
 
 
 def info(engine, config: VerifierConfig) -> vpb.VerifierInfo:
