@@ -71,7 +71,9 @@ def format_final(final: pb.Final) -> str:
             f"completion={final.usage.completion_tokens} mode={pb.SpecMode.Name(s.mode)} "
             f"steps={s.verify_steps} tau={s.mean_acceptance_length:.2f} budget={s.tree_budget} "
             f"accepted={s.accepted_draft_tokens}/{s.draft_tokens} no_draft_steps={s.draft_unavailable_steps}"
-            + (f" matched_stop={final.matched_stop!r}" if final.matched_stop else ""))
+            + (f" matched_stop={final.matched_stop!r}" if final.matched_stop else "")
+            + (f" ttft={final.timing.ttft_s * 1e3:.0f}ms e2e={final.timing.e2e_s * 1e3:.0f}ms"
+               if final.HasField("timing") else ""))
 
 
 class ChunkPrinter:
