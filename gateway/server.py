@@ -79,7 +79,7 @@ def server_info(gateway: Gateway) -> pb.ServerInfo:
     info = gateway.info
     if info is None:
         raise Unavailable("gateway is not connected to a verifier yet")
-    healthy = sum(1 for d in info.drafters if d.state == "healthy")  # as `load` counts them
+    healthy = _healthy(info)
     return pb.ServerInfo(
         model_name=info.model_name, version=__version__, vocab_size=info.vocab_size,
         max_context_length=info.max_context_length, max_new_tokens_limit=info.max_new_tokens_limit,
@@ -91,12 +91,17 @@ def server_info(gateway: Gateway) -> pb.ServerInfo:
         drafter_replicas_healthy=healthy, max_concurrent_requests=gateway.config.max_concurrent_requests)
 
 
+def _healthy(info) -> int:
+    """Drafter replicas the verifier reports healthy."""
+    return sum(1 for d in info.drafters if d.state == "healthy")
+
+
 def load(gateway: Gateway, info) -> pb.Load:
     """The public Load from the gateway's count and the verifier's GetInfo."""
     return pb.Load(running_requests=gateway.running, max_concurrent_requests=gateway.config.max_concurrent_requests,
                    live_sessions=info.live_sessions, kv_pages_total=info.pages_total, kv_pages_used=info.pages_used,
                    kv_pages_cached=info.pages_cached, drafter_replicas=len(info.drafters),
-                   drafter_replicas_healthy=sum(1 for d in info.drafters if d.state == "healthy"))
+                   drafter_replicas_healthy=_healthy(info))
 
 
 async def follow_verifier(gateway: Gateway, lifecycle: Lifecycle, period_s: float = 1.0) -> None:
