@@ -44,8 +44,8 @@ class AnthropicResponse:
                 "cache_read_input_tokens": u.cached_prompt_tokens, "cache_creation_input_tokens": 0}
 
     def _stop(self, final: pb.Final) -> dict:
-        reason = {pb.FINISH_REASON_LENGTH: "max_tokens", pb.FINISH_REASON_STOP: "stop_sequence"}.get(
-            final.finish_reason, "end_turn")
+        reason = {pb.FINISH_REASON_LENGTH: "max_tokens", pb.FINISH_REASON_TIME_LIMIT: "max_tokens",
+                  pb.FINISH_REASON_STOP: "stop_sequence"}.get(final.finish_reason, "end_turn")
         if self.calls and final.finish_reason == pb.FINISH_REASON_EOS:
             reason = "tool_use"
         return {"stop_reason": reason, "stop_sequence": final.matched_stop or None}

@@ -3,8 +3,9 @@
 The HTTP surface (gateway/http_api.py) runs what this builds through the same validation and pipeline as
 gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].role`), not the proto path.
 Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `min_p`, `stop_token_ids`,
-`ignore_eos`, `include_stop_str_in_output`, `min_tokens`, `chat_template_kwargs.thinking` / `.preserve_thinking`; DDTree's own: `spec_mode`
-("ar" | "chain" | "ddtree"), `tree_budget`.
+`ignore_eos`, `include_stop_str_in_output`, `min_tokens`, `chat_template_kwargs.thinking` / `.preserve_thinking`;
+DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"), `tree_budget`, `max_duration_ms` (finish_reason "length" when
+it runs out).
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto", "none", "required" or a named function (the answer
 then starts with that call: the verifier forces its opening tokens, the arguments are the model's). `presence_penalty`,
@@ -93,6 +94,9 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     req.stopping.stop_token_ids.extend(ids)
     req.stopping.ignore_eos = typed(body, "ignore_eos", bool, "a boolean", False)
     req.stopping.include_stop_str_in_output = typed(body, "include_stop_str_in_output", bool, "a boolean", False)
+    max_duration_ms = int32(body, "max_duration_ms")  # DDTree's (TGIS's time_limit_millis): finish_reason "length"
+    if max_duration_ms is not None:
+        req.stopping.max_duration_ms = max_duration_ms
     min_tokens = int32(body, "min_tokens")  # vLLM's
     if min_tokens:
         req.stopping.min_new_tokens = min_tokens

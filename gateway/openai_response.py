@@ -11,7 +11,7 @@ from ddtree.v1 import generation_pb2 as pb
 from gateway.tool_calls import openai_tool_call
 
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop",
-                  pb.FINISH_REASON_CANCELLED: "abort"}
+                  pb.FINISH_REASON_CANCELLED: "abort", pb.FINISH_REASON_TIME_LIMIT: "length"}
 
 
 class OpenAIResponse:

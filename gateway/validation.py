@@ -125,6 +125,8 @@ def check_stopping(st: pb.StoppingCriteria, limits: Limits) -> int:
     for i, t in enumerate(st.stop_token_ids):
         if not 0 <= t < limits.vocab_size:
             raise InvalidArgument(f"stopping.stop_token_ids[{i}]", f"{t} is outside [0, {limits.vocab_size})")
+    if st.HasField("max_duration_ms") and st.max_duration_ms < 1:
+        raise InvalidArgument("stopping.max_duration_ms", f"must be >= 1, got {st.max_duration_ms}")
     return max_new
 
 
@@ -164,7 +166,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             grammar_after_id=answer_after(tok, ids) if grammar else None,
             request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=req.sampling,
             max_new_tokens=max_new, stop_token_ids=list(req.stopping.stop_token_ids),
-            min_new_tokens=req.stopping.min_new_tokens,
+            min_new_tokens=req.stopping.min_new_tokens, max_duration_ms=req.stopping.max_duration_ms,
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
             return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs),
         stops=tuple(req.stopping.stop), include_stop=req.stopping.include_stop_str_in_output,

@@ -397,8 +397,8 @@ def _bad(**changes):
                 req.sampling.logit_bias.update(value(info))
             elif key == "max_new_tokens":
                 req.stopping.max_new_tokens = value(info) if callable(value) else value
-            elif key == "min_new_tokens":
-                req.stopping.min_new_tokens = value
+            elif key in ("min_new_tokens", "max_duration_ms"):
+                setattr(req.stopping, key, value)
             elif key == "tree_budget":
                 req.speculation.tree_budget = value(info) if callable(value) else value
             elif key == "top_logprobs":
@@ -461,6 +461,7 @@ BAD_INPUT = {
                                "chat.tool_choice"),
     "tool_choice without tools": (_bad(input=_chat_tools("", "required")), "chat.tool_choice"),
     "min_new_tokens above max": (_bad(min_new_tokens=5), "stopping.min_new_tokens"),
+    "max_duration_ms 0": (_bad(max_duration_ms=0), "stopping.max_duration_ms"),
 }
 
 
@@ -512,6 +513,21 @@ def _check_timing(t: pb.Timing) -> None:
     assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s >= 0, t
     assert 0 < t.ttft_s <= t.e2e_s and t.queue_s + t.prefill_s + t.decode_s <= t.e2e_s, t
     assert t.queue_s + t.prefill_s <= t.ttft_s, t  # the verifier's first token precedes the gateway's
+
+
+def test_max_duration_ends_with_time_limit_and_keeps_the_output(idle, ar_refs):
+    """max_duration_ms 1: the limit has passed by the first step that emits, so the generation ends there with
+    FINISH_REASON_TIME_LIMIT (and an OK status); the tokens it kept are plain decoding's."""
+    ref = ar_refs[0]
+    req = gen_request(PROMPTS[0], N, mode=pb.SPEC_MODE_DDTREE, budget=16)
+    req.stopping.max_duration_ms = 1
+    r = generate(idle.generation, req)
+    assert r.final.finish_reason == pb.FINISH_REASON_TIME_LIMIT
+    assert 1 <= len(r.ids) < N and r.ids == ref.ids[:len(r.ids)] and r.final.usage.completion_tokens == len(r.ids)
+    req.request_id += "-roomy"
+    req.stopping.max_duration_ms = 600_000  # a limit that does not bind changes nothing
+    r = generate(idle.generation, req)
+    assert r.final.finish_reason == pb.FINISH_REASON_LENGTH and r.ids == ref.ids
 
 
 def test_final_timing(idle):

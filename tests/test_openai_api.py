@@ -40,6 +40,8 @@ def test_completion_fields_land_in_the_proto():
     assert list(req.stopping.stop_token_ids) == [3] and req.stopping.ignore_eos
     assert not req.stopping.include_stop_str_in_output
     assert completion_request({"prompt": "x", "include_stop_str_in_output": True}).stopping.include_stop_str_in_output
+    assert not req.stopping.HasField("max_duration_ms")
+    assert completion_request({"prompt": "x", "max_duration_ms": 2500}).stopping.max_duration_ms == 2500
     assert req.speculation.mode == pb.SPEC_MODE_CHAIN and req.speculation.tree_budget == 4
 
 

@@ -399,8 +399,11 @@ class Engine:
     def _settle(self, s: Session, tokens: list[int]):
         """A step's tokens → (kept, finish reason or None, stop id); advances the session's counters."""
         kept, reason, stop_id = s.truncate(tokens, self.eos_ids, self.config.max_context)
+        now = time.monotonic()
         if s.first_token_s is None:
-            s.first_token_s = time.monotonic()
+            s.first_token_s = now
+        if reason is None and s.params.max_duration_s is not None and now - s.submitted_s >= s.params.max_duration_s:
+            reason = pb.FINISH_REASON_TIME_LIMIT  # every token of the step is kept: the time ran out after them
         s.emitted += len(kept)
         s.output += kept
         if s.penalties is not None:  # made at the session's first penalized row, which this step had

@@ -42,6 +42,8 @@ def validate(req: vpb.VerifierGenerateRequest, cfg, config) -> None:
         raise InvalidArgument("stop_token_ids", f"{bad} is outside [0, {cfg.vocab_size})")
     if not 0 <= req.min_new_tokens <= (req.max_new_tokens or config.max_new_tokens_limit):
         raise InvalidArgument("min_new_tokens", f"must be in [0, max_new_tokens], got {req.min_new_tokens}")
+    if req.max_duration_ms < 0:
+        raise InvalidArgument("max_duration_ms", f"must be >= 0 (0 = no limit), got {req.max_duration_ms}")
     if len(req.forced_ids) > MAX_FORCED:
         raise InvalidArgument("forced_ids", f"at most {MAX_FORCED} tokens, got {len(req.forced_ids)}")
     for name, ids in (("forced_ids", req.forced_ids),
@@ -73,6 +75,7 @@ def to_params(req: vpb.VerifierGenerateRequest, config) -> GenParams:
         min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
         max_new_tokens=req.max_new_tokens or min(256, config.max_new_tokens_limit),
+        max_duration_s=req.max_duration_ms / 1e3 if req.max_duration_ms > 0 else None,
         stop_token_ids=frozenset(req.stop_token_ids), ignore_eos=req.ignore_eos,
         mode=_MODES.get(sp.mode, config.default_mode),
         tree_budget=sp.tree_budget if sp.HasField("tree_budget") else config.default_tree_budget,

@@ -23,6 +23,7 @@ class GenParams:
     min_p: float = 0.0  # after temperature, before top-k and top-p (acceptance.filter_probs)
     seed: int | None = None
     max_new_tokens: int = 64
+    max_duration_s: float | None = None  # StoppingCriteria.max_duration_ms: FINISH_REASON_TIME_LIMIT after it
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     mode: str = DDTREE
