@@ -5,7 +5,7 @@ gRPC `Generate`. Errors name the OpenAI parameter (`temperature`, `messages[2].r
 Extensions beyond OpenAI, spelled as vLLM / SGLang spell them: `top_k`, `min_p`, `stop_token_ids`,
 `ignore_eos`, `include_stop_str_in_output`, `min_tokens`, `chat_template_kwargs.thinking` / `.preserve_thinking`;
 DDTree's own: `spec_mode` ("ar" | "chain" | "ddtree"), `tree_budget`, `max_duration_ms` (finish_reason "length" when
-it runs out).
+it runs out). OpenAI's `metadata` (string tags) becomes GenerateRequest.labels: written into the request's log lines.
 Tools: `tools` go to the chat template, the model's calls come back as `tool_calls` (finish_reason
 "tool_calls", gateway/tool_calls.py); `tool_choice` "auto", "none", "required" or a named function (the answer
 then starts with that call: the verifier forces its opening tokens, the arguments are the model's). `presence_penalty`,
@@ -94,6 +94,10 @@ def _sampling_and_stopping(body: dict, req: pb.GenerateRequest) -> None:
     req.stopping.stop_token_ids.extend(ids)
     req.stopping.ignore_eos = typed(body, "ignore_eos", bool, "a boolean", False)
     req.stopping.include_stop_str_in_output = typed(body, "include_stop_str_in_output", bool, "a boolean", False)
+    metadata = typed(body, "metadata", dict, "an object of strings", {})  # OpenAI's: into GenerateRequest.labels
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise InvalidArgument("metadata", "keys and values must be strings")
+    req.labels.update(metadata)
     max_duration_ms = int32(body, "max_duration_ms")  # DDTree's (TGIS's time_limit_millis): finish_reason "length"
     if max_duration_ms is not None:
         req.stopping.max_duration_ms = max_duration_ms
@@ -304,7 +308,8 @@ def openai_param(field: str, body: dict, chat: bool) -> str:
                ("speculation.mode", "spec_mode"), ("speculation.", ""), ("chat.messages", "messages"),
                ("chat.tool_choice", "tool_choice"), ("chat.tools_json", "tools"),
                ("chat", "messages"), ("token_ids.ids", "prompt"), ("input", "messages" if chat else "prompt"),
-               ("request_id", "x-request-id"), ("top_logprobs", "top_logprobs" if chat else "logprobs"))
+               ("request_id", "x-request-id"), ("top_logprobs", "top_logprobs" if chat else "logprobs"),
+               ("labels", "metadata"))
     if field.startswith("response_format") and "structured_outputs" in body:
         return "structured_outputs"
     for old, new in renames:

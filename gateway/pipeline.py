@@ -279,6 +279,8 @@ def _record_finished(job: Job, outcome: str, final: pb.Final | None, t0: float, 
             metrics.TPOT.observe((now - first) / (n - 1))
     fields = dict(request_id=job.request.request_id, outcome=outcome, prompt_tokens=len(job.request.prompt_ids),
                   ttft_s=None if first is None else round(first - t0, 4), e2e_s=round(now - t0, 4))
+    if job.labels:
+        fields["labels"] = dict(job.labels)
     if final is not None:
         s = final.spec_stats
         fields.update(completion_tokens=final.usage.completion_tokens, mode=pb.SpecMode.Name(s.mode),

@@ -37,6 +37,7 @@ class Job:
     request: vpb.VerifierGenerateRequest
     stops: tuple[str, ...]
     include_stop: bool = False  # StoppingCriteria.include_stop_str_in_output
+    labels: tuple[tuple[str, str], ...] = ()  # GenerateRequest.labels, sorted: for the request's log lines
     think: ThinkTokens | None = None  # chat input: split the thinking block off the answer
     tools: ToolCallTokens | None = None  # chat input: parse tool calls out of the answer
 
@@ -111,6 +112,19 @@ def _message(m: pb.ChatMessage) -> dict:
     return message
 
 
+MAX_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE = 16, 64, 512
+
+
+def check_labels(labels) -> None:
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument("labels", f"at most {MAX_LABELS}, got {len(labels)}")
+    for key, value in sorted(labels.items()):
+        if not 0 < len(key) <= MAX_LABEL_KEY:
+            raise InvalidArgument("labels", f"key {key[:MAX_LABEL_KEY]!r}: must be 1..{MAX_LABEL_KEY} characters")
+        if len(value) > MAX_LABEL_VALUE:
+            raise InvalidArgument(f"labels[{key}]", f"at most {MAX_LABEL_VALUE} characters")
+
+
 def check_stopping(st: pb.StoppingCriteria, limits: Limits) -> int:
     max_new = st.max_new_tokens if st.HasField("max_new_tokens") else limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
@@ -144,6 +158,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
         raise InvalidArgument("request_id", "longer than 256 characters")
     check_sampling(req.sampling, limits.vocab_size)
     max_new = check_stopping(req.stopping, limits)
+    check_labels(req.labels)
     check_speculation(req.speculation, limits)
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
@@ -170,6 +185,7 @@ def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
             ignore_eos=req.stopping.ignore_eos, speculation=req.speculation,
             return_logprobs=req.return_logprobs, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs),
         stops=tuple(req.stopping.stop), include_stop=req.stopping.include_stop_str_in_output,
+        labels=tuple(sorted(req.labels.items())),
         think=tok.think_tokens if chat else None, tools=tok.tool_call_tokens if chat else None)
 
 

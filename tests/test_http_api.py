@@ -682,3 +682,20 @@ def test_responses_carry_timing(idle, client):
                                             extra_body=DDTREE))
     last = events[-1].model_extra
     assert last["timing"]["e2e_s"] > 0 and "spec_stats" in last
+
+
+def test_metadata_labels_reach_the_request_log_line(idle):
+    """OpenAI's `metadata` (GenerateRequest.labels) is written into the gateway's request_finished line."""
+    trace = "4bf92f3577b34da6a3ce929d0e0e4703"
+    conn = http.client.HTTPConnection("127.0.0.1", idle.http_port, timeout=30)
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "metadata": {"tenant": "acme-labs"}, **DDTREE}
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
+                          "traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
+    assert conn.getresponse().status == 200
+
+    def line():
+        return next((ln for ln in idle.gateway.log_path.read_text(errors="replace").splitlines()
+                     if "request_finished" in ln and trace in ln), None)
+
+    assert "acme-labs" in wait_until(line, 10, "the request_finished line")

@@ -45,6 +45,19 @@ def test_completion_fields_land_in_the_proto():
     assert req.speculation.mode == pb.SPEC_MODE_CHAIN and req.speculation.tree_budget == 4
 
 
+def test_metadata_becomes_labels(tok):
+    req = completion_request({"prompt": "x", "metadata": {"tenant": "acme", "job": "42"}})
+    assert dict(req.labels) == {"tenant": "acme", "job": "42"}
+    assert to_job(req, tok, LIMITS).labels == (("job", "42"), ("tenant", "acme"))
+    with pytest.raises(InvalidArgument) as e:
+        completion_request({"prompt": "x", "metadata": {"n": 5}})
+    assert e.value.field == "metadata"
+    for bad in ({f"k{i}": "v" for i in range(17)}, {"": "v"}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(InvalidArgument) as e:
+            to_job(completion_request({"prompt": "x", "metadata": bad}), tok, LIMITS)
+        assert openai_param(e.value.field, {}, False).startswith("metadata"), e.value.field
+
+
 def test_min_p_must_be_a_number():
     with pytest.raises(InvalidArgument) as e:
         completion_request({"prompt": "x", "min_p": "high"})
