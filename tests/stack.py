@@ -48,6 +48,12 @@ _PDEATHSIG = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True)
               "os.execv(sys.argv[1], sys.argv[1:])")
 
 
+def prometheus_samples(text: str) -> dict[str, float]:
+    """A /metrics page as {'name{labels}': value}."""
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                    if line and not line.startswith("#"))}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from scripted_drafter import Faults, Record, ScriptedDrafter, ScriptedDrafterServer
 from stack import (PROMPTS, first_difference, free_port, gen_request, generate, generate_many, new_stack, ok,  # noqa: F401
-                   pb, tiny_ckpt, wait_until)
+                   pb, prometheus_samples, tiny_ckpt, wait_until)
 
 N = 64  # new tokens compared per request
 CONFIGS = [(pb.SPEC_MODE_DDTREE, 4), (pb.SPEC_MODE_DDTREE, 16), (pb.SPEC_MODE_DDTREE, 64), (pb.SPEC_MODE_CHAIN, None)]
@@ -299,8 +299,7 @@ def test_prefix_cache_hit_sends_the_stored_feature_rows(scripted, drafter):
 def _samples(st) -> dict[str, float]:
     """The verifier's /metrics as {'name{labels}': value}."""
     with urllib.request.urlopen(f"http://127.0.0.1:{st.verifier_metrics}/metrics", timeout=10) as r:
-        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in r.read().decode().splitlines()
-                                        if line and not line.startswith("#"))}
+        return prometheus_samples(r.read().decode())
 
 
 def test_per_depth_acceptance_metrics_match_the_requests_histograms(scripted, drafter):

@@ -17,7 +17,8 @@ import grpc
 import openai
 import pytest
 from gateway.tokenizer import KimiTokenizer
-from stack import PROMPTS, free_port, gen_request, generate, new_stack, pb, tiny_ckpt, wait_until  # noqa: F401
+from stack import (PROMPTS, free_port, gen_request, generate, new_stack, pb, prometheus_samples, tiny_ckpt,  # noqa: F401
+                   wait_until)
 
 KEY = "test-key-123"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -634,9 +635,7 @@ def test_deep_health_probe_generates_one_token(stack, key, ok):
 
 
 def _gateway_samples(stack) -> dict[str, float]:
-    body = raw(stack, "GET", "/metrics", key=None)[1].decode()
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in body.splitlines()
-                                    if line and not line.startswith("#"))}
+    return prometheus_samples(raw(stack, "GET", "/metrics", key=None)[1].decode())
 
 
 def test_per_request_histograms(idle, client):
