@@ -17,6 +17,7 @@ from service_kit.errors import InvalidArgument
 from service_kit.sampling import check_sampling
 
 MAX_STOP_CHARS = 256
+MAX_REQUEST_ID = 256  # characters of a request id (GenerateRequest.request_id, CancelRequest.request_ids)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the verifier checks the same)
 
 
@@ -154,8 +155,8 @@ def check_speculation(sp: pb.SpeculationParams, limits: Limits) -> None:
 
 def to_job(req: pb.GenerateRequest, tok: KimiTokenizer, limits: Limits) -> Job:
     """Validates every field; tokenizes; builds the verifier request."""
-    if len(req.request_id) > 256:
-        raise InvalidArgument("request_id", "longer than 256 characters")
+    if len(req.request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
     check_sampling(req.sampling, limits.vocab_size)
     max_new = check_stopping(req.stopping, limits)
     check_labels(req.labels)
@@ -220,7 +221,7 @@ def check_cancel(req: pb.CancelRequest) -> list[str]:
     ids = list(req.request_ids)
     if not 1 <= len(ids) <= MAX_CANCEL_IDS:
         raise InvalidArgument("request_ids", f"1 to {MAX_CANCEL_IDS} ids, got {len(ids)}")
-    bad = next((i for i, rid in enumerate(ids) if not 0 < len(rid) <= 256), None)
+    bad = next((i for i, rid in enumerate(ids) if not 0 < len(rid) <= MAX_REQUEST_ID), None)
     if bad is not None:
-        raise InvalidArgument(f"request_ids[{bad}]", "must be 1 to 256 characters")
+        raise InvalidArgument(f"request_ids[{bad}]", f"must be 1 to {MAX_REQUEST_ID} characters")
     return ids
