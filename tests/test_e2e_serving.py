@@ -399,6 +399,8 @@ def _bad(**changes):
                 req.stopping.max_new_tokens = value(info) if callable(value) else value
             elif key in ("min_new_tokens", "max_duration_ms"):
                 setattr(req.stopping, key, value)
+            elif key == "labels":
+                req.labels.update(value)
             elif key == "tree_budget":
                 req.speculation.tree_budget = value(info) if callable(value) else value
             elif key == "top_logprobs":
@@ -462,6 +464,8 @@ BAD_INPUT = {
     "tool_choice without tools": (_bad(input=_chat_tools("", "required")), "chat.tool_choice"),
     "min_new_tokens above max": (_bad(min_new_tokens=5), "stopping.min_new_tokens"),
     "max_duration_ms 0": (_bad(max_duration_ms=0), "stopping.max_duration_ms"),
+    "17 labels": (_bad(labels={f"k{i}": "v" for i in range(17)}), "labels"),
+    "label value too long": (_bad(labels={"k": "v" * 513}), "labels[k]"),
 }
 
 
